@@ -1,0 +1,3 @@
+"""solar-host: the host agent of the solar fleet."""
+
+__version__ = "0.3.0"

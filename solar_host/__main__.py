@@ -1,0 +1,3 @@
+from solar_host.cli import main
+
+raise SystemExit(main())

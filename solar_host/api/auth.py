@@ -1,0 +1,87 @@
+"""API key authentication for every HTTP and WebSocket route but the public ones.
+
+A pure ASGI middleware (no per-request task or body wrapping), because it runs on every request
+and `GET /instances` is polled hard by solar-control.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from urllib.parse import parse_qs
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+PUBLIC_PATHS = frozenset({"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+PUBLIC_PREFIXES = ("/docs/static/",)
+
+
+def keys_match(given: str | None, expected: str) -> bool:
+    """Constant-time comparison (the time does not depend on where the keys differ)."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
+class APIKeyMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        get_key: Callable[[], str],
+        is_public: Callable[[str], bool] | None = None,
+    ):
+        self.app = app
+        self.get_key = get_key
+        self.extra_public = is_public
+
+    def public(self, path: str) -> bool:
+        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
+            return True
+        return bool(self.extra_public and self.extra_public(path))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if kind == "http" and (scope.get("method") == "OPTIONS" or self.public(path)):
+            await self.app(scope, receive, send)
+            return
+        given = None
+        for name, value in scope.get("headers") or ():
+            if name == b"x-api-key":
+                given = value.decode("latin-1")
+                break
+        if given is None and kind == "websocket":
+            qs = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
+            if qs.get("api_key"):
+                given = qs["api_key"][0]
+        if keys_match(given, self.get_key()):
+            await self.app(scope, receive, send)
+            return
+        if kind == "websocket":
+            # Accept, then close with 1008 (policy violation): a refused handshake would only
+            # show the client an HTTP 403 without a reason it can act on.
+            message = await receive()
+            if message["type"] == "websocket.connect":
+                await send({"type": "websocket.accept"})
+                await send(
+                    {"type": "websocket.close", "code": 1008, "reason": "Invalid or missing API key"}
+                )
+            return
+        body = json.dumps({"detail": "Invalid or missing API key"}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"APIKey"),
+                    (b"access-control-allow-origin", b"*"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

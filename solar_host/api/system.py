@@ -1,0 +1,61 @@
+"""System routes: service info, health (public), memory, and the control-link nudge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel
+
+from solar_host import __version__
+from solar_host.resources.probes import disk_info, memory_info
+
+router = APIRouter(tags=["system"])
+
+
+class MemoryInfo(BaseModel):
+    used_gb: float
+    total_gb: float
+    available_gb: float | None = None
+    percent: float
+    memory_type: str
+
+
+@router.get("/")
+async def root(request: Request) -> dict[str, Any]:
+    host = request.app.state.host
+    return {
+        "service": "solar-host",
+        "version": __version__,
+        "description": "Process manager for model inference backends "
+        "(llama.cpp, HuggingFace, SGLang)",
+        "supported_backends": host.instances.supported_backends(),
+    }
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    host = request.app.state.host
+    return {
+        "status": "healthy",
+        "service": "solar-host",
+        "version": __version__,
+        "disk": disk_info(host.probe, host.settings.models_dir),
+    }
+
+
+@router.get("/memory", response_model=MemoryInfo)
+async def memory(request: Request) -> dict[str, Any]:
+    info = memory_info(request.app.state.host.probe)
+    if info is None:
+        raise HTTPException(503, "Memory information not available")
+    return info
+
+
+@router.post("/reconnect")
+async def reconnect(request: Request) -> dict[str, str]:
+    host = request.app.state.host
+    control = host.services.get("control")
+    if control is None:
+        raise HTTPException(503, "No solar-control client configured")
+    return {"status": await control.reconnect()}

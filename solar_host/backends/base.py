@@ -1,0 +1,265 @@
+"""What every backend provides, as data and pure functions.
+
+A backend turns a validated config into a command line and environment (`LaunchSpec`), says
+how readiness shows (a log line and/or an HTTP health path), parses its log lines into runtime
+state and generation metrics, and lists its endpoints and capabilities. It never touches a
+process, a socket or a file it was not handed: the supervisor does that.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Variables a caller may never set through `extra_env`: they change what code the backend
+# loads (a way to run arbitrary code as the host user) or how Python starts.
+LOADER_ENV_VARS = frozenset(
+    {
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        "PYTHONPATH",
+        "PYTHONSTARTUP",
+        "PYTHONHOME",
+        "PYTHONINSPECT",
+        "PYTHONUSERBASE",
+        "PATH",
+        "VIRTUAL_ENV",
+        "DYLD_INSERT_LIBRARIES",
+        "DYLD_LIBRARY_PATH",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+
+
+class BackendConfigBase(BaseModel):
+    """Fields common to every backend config.
+
+    Unknown keys are kept and echoed back unchanged: solar-control compares configs key by
+    key, and intents carry keys meant for other backends.
+    """
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), validate_assignment=False)
+
+    backend_type: str
+    alias: str = Field(min_length=1, max_length=256, description="Routing name of the model.")
+    host: str = Field(default="0.0.0.0", description="Address the backend binds to.")
+    port: int | None = Field(
+        default=None, ge=1, le=65535, description="Fixed port (default: allocated)."
+    )
+    model_source: str | None = Field(
+        default=None, description="URI the model came from (local://, repo://, huggingface://)."
+    )
+    file_filters: list[str] | None = Field(
+        default=None, description="HuggingFace allow-patterns used when the model was pulled."
+    )
+    api_key: str | None = Field(
+        default=None,
+        description="An additional key the backend accepts (the host key always works).",
+    )
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_text(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("alias must not be blank")
+        if any(c in v for c in "\x00\n\r\t"):
+            raise ValueError("alias must not contain control characters")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _blank_key_is_none(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            return None
+        return v
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchContext:
+    """What the host hands a backend to build its command line."""
+
+    instance_id: str
+    port: int
+    host_api_key: str
+    models_dir: Path
+    llama_server_bin: str = "llama-server"
+    sglang_venv_path: str = ""
+    sglang_prompt_cache_dir: str = ""
+    gpu_type: str = "cpu"
+    python_executable: str = ""
+
+
+@dataclass(slots=True)
+class LaunchSpec:
+    """A command line and the environment changes it needs on top of the host's environment."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    env_remove: tuple[str, ...] = ()
+    warnings: list[str] = field(default_factory=list)
+
+
+class LaunchError(Exception):
+    """The backend cannot be launched on this host (missing executable, wrong GPU, ...)."""
+
+
+@dataclass(slots=True)
+class RuntimeState:
+    """What a backend is doing right now, parsed from its log (and metrics)."""
+
+    busy: bool = False
+    phase: str = "idle"  # idle | prefill | generating
+    prefill_progress: float | None = None
+    active_slots: int = 0
+    slot_id: int | None = None
+    task_id: int | None = None
+    prefill_prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    decode_tps: float | None = None
+    decode_ms_per_token: float | None = None
+    checkpoint_index: int | None = None
+    checkpoint_total: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class GenerationMetrics:
+    """Token counts and speed of one finished request."""
+
+    slot_id: int | None = None
+    task_id: int | None = None
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_eval_tokens: int | None = None
+    total_tokens: int | None = None
+    decode_tps: float | None = None
+    decode_ms_per_token: float | None = None
+    source: str = "log"  # usage | metrics | log
+    started_at: str | None = None
+    finished_at: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class ParseResult:
+    """What one log line (or metrics scrape) changed: a new state and/or a finished request."""
+
+    state: RuntimeState | None = None
+    generation: GenerationMetrics | None = None
+
+
+class LogParser(Protocol):
+    """Stateful parser of one backend process's log, fed line by line."""
+
+    def feed(self, line: str) -> ParseResult | None: ...
+
+    def apply_metrics(self, metrics: Mapping[str, float]) -> ParseResult | None: ...
+
+
+class NullParser:
+    """Parser for backends whose logs carry no runtime state."""
+
+    def feed(self, line: str) -> ParseResult | None:
+        return None
+
+    def apply_metrics(self, metrics: Mapping[str, float]) -> ParseResult | None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    """What the host knows about itself, for backend advertisement."""
+
+    gpu_type: str  # nvidia_cuda | apple_mps | cpu
+    llama_server_bin: str = "llama-server"
+    sglang_venv_path: str = ""
+    hf_available: bool = False
+
+
+class Backend(Protocol):
+    """One kind of backend. Implementations are modules or plain objects of pure functions."""
+
+    backend_types: ClassVar[tuple[str, ...]]
+    health_path: ClassVar[str | None]
+    metrics_path: ClassVar[str | None]
+
+    def config_model(self, backend_type: str) -> type[BackendConfigBase]: ...
+
+    def launch(self, config: BackendConfigBase, ctx: LaunchContext) -> LaunchSpec: ...
+
+    def is_ready_line(self, line: str) -> bool: ...
+
+    def new_parser(self, config: BackendConfigBase) -> LogParser: ...
+
+    def supported_endpoints(self, config: BackendConfigBase) -> list[str]: ...
+
+    def capabilities(self, config: BackendConfigBase, models_dir: Path) -> list[str] | None: ...
+
+    def served_model_name(self, config: BackendConfigBase) -> str: ...
+
+    def model_paths(self, config: BackendConfigBase) -> list[str]: ...
+
+    def is_available(self, facts: HostFacts) -> bool: ...
+
+
+VISION_CAPABILITIES = ["completion", "multimodal"]
+
+_VISION_MODEL_TYPES = frozenset(
+    {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "llava",
+        "llava_next",
+        "idefics3",
+        "internvl_chat",
+        "minicpmv",
+        "moondream2",
+        "paligemma",
+        "phi3_v",
+        "pixtral",
+        "smolvlm",
+    }
+)
+
+
+def vision_capabilities_of_dir(model_dir: str | Path | None) -> list[str] | None:
+    """["completion", "multimodal"] when the model directory's config.json is a vision model."""
+    import json
+
+    if not model_dir:
+        return None
+    cfg = Path(model_dir) / "config.json"
+    try:
+        if not Path(model_dir).is_dir():
+            return None
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    mt = str(data.get("model_type") or "")
+    if "vision_config" in data or mt in _VISION_MODEL_TYPES or mt.endswith("_vl"):
+        return list(VISION_CAPABILITIES)
+    return None
+
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def alias_safe(alias: str) -> str:
+    """Alias as a file-name fragment: `:` and `/` (and anything odd) become `-`."""
+    return _SAFE.sub("-", alias).strip(".-") or "instance"

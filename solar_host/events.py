@@ -1,0 +1,181 @@
+"""The in-process event bus and the event types the core publishes.
+
+Events flow one way: services publish, adapters (WebSocket streams, the control link,
+metrics) subscribe. Handlers are plain callables run inline by `publish`; they must be cheap
+and must never block (a handler that needs to do I/O puts the event on its own bounded queue).
+That keeps publishing a log line a few microseconds, whoever listens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+log = logging.getLogger(__name__)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def iso_now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of every event. `topic` names the kind for subscribers and metrics."""
+
+    topic: ClassVar[str] = "event"
+
+
+# --- instances --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class InstancesChanged(Event):
+    """An instance was created, updated, deleted or changed status.
+
+    Carries only ids: the control link reads the full list itself (it always sends full lists).
+    """
+
+    topic: ClassVar[str] = "instances_changed"
+    instance_id: str
+    status: str | None = None  # None when deleted
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LogLine(Event):
+    topic: ClassVar[str] = "log_line"
+    instance_id: str
+    seq: int
+    timestamp: str
+    line: str
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStateChanged(Event):
+    topic: ClassVar[str] = "runtime_state"
+    instance_id: str
+    timestamp: str
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationFinished(Event):
+    topic: ClassVar[str] = "generation_finished"
+    instance_id: str
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStartTimed(Event):
+    """Phases of one successful start attempt, for the start-duration histogram."""
+
+    topic: ClassVar[str] = "instance_start_timed"
+    instance_id: str
+    backend_type: str
+    to_first_log_s: float | None
+    to_ready_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceCrashed(Event):
+    topic: ClassVar[str] = "instance_crashed"
+    instance_id: str
+    exit_code: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceStartFinished(Event):
+    topic: ClassVar[str] = "instance_start_finished"
+    instance_id: str
+    ok: bool
+    restart: bool = False
+
+
+# --- model store -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PullProgress(Event):
+    """One progress report of a pull; `payload` is the contract's pull_progress data."""
+
+    topic: ClassVar[str] = "pull_progress"
+    payload: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.payload.get("phase") in ("completed", "failed")
+
+
+# --- jobs ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog(Event):
+    """A step log entry (a line, or the completion marker) in the contract's step_log shape."""
+
+    topic: ClassVar[str] = "step_log"
+    entry: dict[str, Any]
+
+    @property
+    def is_marker(self) -> bool:
+        return bool(self.entry.get("completed"))
+
+
+@dataclass(frozen=True, slots=True)
+class JobLifecycle(Event):
+    """`name` is the Socket.IO event name (job_started, step_failed, ...)."""
+
+    topic: ClassVar[str] = "job_lifecycle"
+    name: str
+    payload: dict[str, Any]
+
+
+# --- resources -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReservationsChanged(Event):
+    """The ledger changed; the control link pushes host_health early so placement sees it."""
+
+    topic: ClassVar[str] = "reservations_changed"
+    reason: str = ""
+
+
+Handler = Callable[[Event], None]
+
+
+@dataclass
+class EventBus:
+    """Synchronous publish/subscribe keyed by event class (subclasses match too)."""
+
+    _handlers: list[tuple[tuple[type[Event], ...], Handler]] = field(default_factory=list)
+    published: dict[str, int] = field(default_factory=dict)
+
+    def subscribe(self, handler: Handler, *types: type[Event]) -> Callable[[], None]:
+        """Call `handler` for every event of `types` (all events if none). Returns unsubscribe."""
+        entry = (types or (Event,), handler)
+        self._handlers.append(entry)
+
+        def unsubscribe() -> None:
+            try:
+                self._handlers.remove(entry)
+            except ValueError:
+                pass
+
+        return unsubscribe
+
+    def publish(self, event: Event) -> None:
+        self.published[event.topic] = self.published.get(event.topic, 0) + 1
+        for types, handler in tuple(self._handlers):
+            if isinstance(event, types):
+                try:
+                    handler(event)
+                except Exception:  # a broken subscriber must not break the publisher
+                    log.exception("event handler failed for %s", event.topic)

@@ -1,0 +1,103 @@
+"""Model source URIs and the confinement of model paths to MODELS_DIR.
+
+`local://rel` and relative paths are confined to MODELS_DIR (ruling 12): anything that escapes
+it through `..` or a symlink is refused. An absolute path given directly as `model`,
+`model_id` or `model_path` is the operator's choice and is used as is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+REPO_RE = re.compile(r"^repo://(?P<name>[A-Za-z0-9_-]+):(?P<version>[A-Za-z0-9_.-]+)(?:/(?P<sub>.*))?$")
+HF_PREFIX = "huggingface://"
+LOCAL_PREFIX = "local://"
+
+
+class SourceError(ValueError):
+    """A model source or path is malformed or escapes its root."""
+
+
+def is_remote_source(uri: str | None) -> bool:
+    return bool(uri) and (uri.startswith("repo://") or uri.startswith(HF_PREFIX))
+
+
+def slug_for(uri: str) -> str:
+    """The directory name of a pulled model: repo--<name>--<version> or hf--<org>--<model>."""
+    m = REPO_RE.match(uri)
+    if m:
+        return f"repo--{m['name']}--{m['version']}"
+    if uri.startswith(HF_PREFIX):
+        model_id = uri[len(HF_PREFIX) :].strip("/")
+        if not model_id or not re.fullmatch(r"[A-Za-z0-9._/-]+", model_id):
+            raise SourceError(f"Unsupported or malformed model source URI: {uri}")
+        parts = model_id.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise SourceError(f"Unsupported or malformed model source URI: {uri}")
+        return "hf--" + "--".join(parts)
+    if uri.startswith(LOCAL_PREFIX):
+        raise SourceError("local:// URIs are not stored in the models directory")
+    raise SourceError(f"Unsupported or malformed model source URI: {uri}")
+
+
+def repo_subpath(uri: str) -> str:
+    m = REPO_RE.match(uri)
+    return (m["sub"] or "").strip("/") if m else ""
+
+
+def repo_base_uri(uri: str) -> str:
+    m = REPO_RE.match(uri)
+    if not m:
+        return uri
+    return f"repo://{m['name']}:{m['version']}"
+
+
+def confine(path: str | os.PathLike[str], root: Path, *, what: str = "path") -> Path:
+    """Resolve `path` (relative paths against `root`) and refuse it unless it stays in `root`.
+
+    Symlinks are resolved before the check, so a link pointing out of the root is refused.
+    """
+    raw = os.fspath(path)
+    if "\x00" in raw:
+        raise SourceError(f"{what} must not contain NUL characters")
+    root_resolved = root.resolve()
+    candidate = Path(raw)
+    if not candidate.is_absolute():
+        candidate = root_resolved / candidate
+    resolved = candidate.resolve()
+    if resolved != root_resolved and root_resolved not in resolved.parents:
+        raise SourceError(f"{what} '{raw}' resolves outside of MODELS_DIR ({root_resolved})")
+    return resolved
+
+
+def resolve_local_uri(uri: str, models_dir: Path) -> Path:
+    """`local://rel` -> MODELS_DIR/rel; `local:///abs` must already lie inside MODELS_DIR."""
+    if not uri.startswith(LOCAL_PREFIX):
+        raise SourceError(f"not a local:// URI: {uri}")
+    rest = uri[len(LOCAL_PREFIX) :]
+    if not rest:
+        raise SourceError("local:// URI names no path")
+    return confine(rest, models_dir, what="model_source")
+
+
+def resolve_model_path(value: str, models_dir: Path, *, hub_id_allowed: bool = False) -> str:
+    """Resolve a `model`/`model_id`/`model_path` value given in a config.
+
+    Absolute paths are kept (operators keep models anywhere). Relative paths (what control sends
+    for `local://` sources) resolve against MODELS_DIR and must stay inside it. With
+    `hub_id_allowed`, a relative value that names nothing under MODELS_DIR is a Hub id
+    (`org/name`) and is kept as is.
+    """
+    if "\x00" in value:
+        raise SourceError("model path must not contain NUL characters")
+    if value.startswith(LOCAL_PREFIX):
+        return str(resolve_local_uri(value, models_dir))
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return value
+    parts = Path(value).parts
+    if hub_id_allowed and ".." not in parts and not (models_dir / value).exists():
+        return value
+    return str(confine(value, models_dir, what="model path"))

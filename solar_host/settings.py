@@ -1,0 +1,263 @@
+"""The host's settings: one object, read from the environment and `.env`, validated once.
+
+Every tunable of the host lives here (features add theirs to this class), so that the
+configuration reference in the README can be generated from it and cannot drift.
+Nothing here touches the filesystem or reads `.env` at import time: `.env` is read only when
+`load_settings()` (the command line, `solar_host.main`) asks for it.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Keys that appeared in old READMEs and example files. A host started with one of them would
+# be open to anyone who has read the docs, so start-up refuses them.
+PLACEHOLDER_API_KEYS = frozenset(
+    {
+        "change-me-please",
+        "your-secret-key-here",
+        "your-api-key",
+        "your-key",
+        "changeme",
+        "instance-key",
+    }
+)
+
+
+class Settings(BaseSettings):
+    """Every setting of the host. The env var of a field is its name in upper case."""
+
+    model_config = SettingsConfigDict(
+        env_file=None,
+        extra="ignore",
+        case_sensitive=False,
+        validate_default=True,
+    )
+
+    # --- service -----------------------------------------------------------------------
+    api_key: str = Field(
+        default="",
+        description="Key for the REST API (X-API-Key), the control link and the backends "
+        "(Bearer). Empty: generated on first start and stored 0600 beside CONFIG_FILE.",
+    )
+    host: str = Field(default="0.0.0.0", description="Address the REST API binds to.")
+    port: int = Field(default=8001, ge=1, le=65535, description="Port of the REST API.")
+    config_file: Path = Field(
+        default=Path("config.json"), description="Where instance records are kept."
+    )
+    log_dir: Path = Field(default=Path("logs"), description="Directory of backend log files.")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="Format of the host's own log: readable lines or JSON lines."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Level of the host's own log."
+    )
+    metrics_public: bool = Field(
+        default=False, description="Serve GET /metrics without the API key."
+    )
+    max_request_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body the REST API accepts (413 above it).",
+    )
+
+    # --- instances ---------------------------------------------------------------------
+    start_port: int = Field(
+        default=3500, ge=1, le=65535, description="First port handed to a backend."
+    )
+    max_retries: int = Field(
+        default=2, ge=0, le=100, description="Extra attempts after a failed start attempt."
+    )
+    instance_ready_timeout_s: float = Field(
+        default=600.0, gt=0, description="How long one start attempt may take to become ready."
+    )
+    start_deadline_s: float = Field(
+        default=850.0,
+        gt=0,
+        description="All attempts of one start end within this (below control's 900 s timeout).",
+    )
+    stop_grace_s: float = Field(
+        default=10.0, ge=0, description="Seconds between SIGTERM and SIGKILL when stopping."
+    )
+    restart_backoff_s: float = Field(
+        default=1.0, ge=0, description="First delay before restarting a crashed backend."
+    )
+    restart_backoff_max_s: float = Field(
+        default=60.0, ge=0, description="Cap of the doubling restart delay."
+    )
+    restart_max_in_window: int = Field(
+        default=5, ge=1, description="Crashes within RESTART_WINDOW_S after which it stays failed."
+    )
+    restart_window_s: float = Field(
+        default=600.0, gt=0, description="Window for counting crashes of one instance."
+    )
+    boot_start_concurrency: int = Field(
+        default=4, ge=1, description="How many instances are started at once at boot."
+    )
+    keep_backends_on_shutdown: bool = Field(
+        default=False,
+        description="Leave backends serving when the host shuts down (for upgrades); "
+        "they are re-adopted on the next start.",
+    )
+    log_buffer_size: int = Field(
+        default=1000, ge=1, description="Log lines kept in memory per instance."
+    )
+    retained_log_buffers: int = Field(
+        default=20, ge=0, description="Log buffers of stopped instances kept in memory."
+    )
+    log_file_retention_s: float = Field(
+        default=86400.0, ge=0, description="Age after which old backend log files are removed."
+    )
+    start_failure_log_tail_lines: int = Field(
+        default=20, ge=0, description="Lines in log_tail of a failed start."
+    )
+    llama_server_bin: str = Field(
+        default="llama-server", description="llama-server executable (a path or a name on PATH)."
+    )
+
+    # --- model store ---------------------------------------------------------------------
+    models_dir: Path = Field(default=Path("models"), description="Managed models directory.")
+    min_free_disk_gb: float = Field(
+        default=2.0, ge=0, description="Free space floor for pulls and jobs."
+    )
+    pull_disk_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="How often a running pull checks free disk space."
+    )
+    pull_progress_interval_s: float = Field(
+        default=5.0, gt=0, description="Throttle of `downloading` progress events."
+    )
+    harbor_url: str = Field(default="", description="Harbor (OCI registry) URL for repo:// pulls.")
+    harbor_username: str = Field(default="", description="Harbor user.")
+    harbor_password: str = Field(default="", description="Harbor password (never logged).")
+    hf_token: str = Field(default="", description="HuggingFace Hub token (never logged).")
+    hf_endpoint: str = Field(
+        default="", description="HuggingFace Hub endpoint (empty: huggingface_hub's default)."
+    )
+
+    # --- control link ----------------------------------------------------------------------
+    solar_control_url: str = Field(
+        default="",
+        description="solar-control URL(s), comma-separated for fail-over. Empty: standalone.",
+    )
+    solar_control_api_key: str = Field(
+        default="", description="Ignored (kept for old .env files): the link uses API_KEY."
+    )
+    host_name: str = Field(
+        default="", description="Name shown in solar-control (default: the machine's hostname)."
+    )
+    ws_reconnect_delay: float = Field(
+        default=1.0, gt=0, description="First reconnect delay to solar-control (s)."
+    )
+    ws_reconnect_max_delay: float = Field(
+        default=5.0, gt=0, description="Cap of the doubling reconnect delay (s)."
+    )
+    ws_ping_interval: float = Field(
+        default=25.0, gt=0, description="Engine.IO ping interval hint (s)."
+    )
+    insecure: bool = Field(
+        default=False, description="Skip TLS verification towards solar-control."
+    )
+    health_report_interval_s: float = Field(
+        default=10.0, gt=0, description="Period of host_health pushes."
+    )
+    outbox_max_entries: int = Field(
+        default=10_000, ge=10, description="Bound of the queue of events for solar-control."
+    )
+    outbox_flush_interval_s: float = Field(
+        default=0.1, gt=0, description="Batching period of log/state/step-log events."
+    )
+
+    # --- jobs --------------------------------------------------------------------------------
+    jobs_dir: Path = Field(default=Path("jobs"), description="Job workspaces root.")
+    container_uid: int = Field(default=1000, ge=0, description="User id inside job containers.")
+    container_gid: int = Field(default=1000, ge=0, description="Group id inside job containers.")
+    hf_cache_dir: Path | None = Field(
+        default=None,
+        description="HF cache mounted into job containers (default: $HF_HOME or "
+        "~/.cache/huggingface).",
+    )
+    job_inject_secrets: bool = Field(
+        default=True, description="Give job steps HF_TOKEN and HARBOR_* (as control expects)."
+    )
+    job_network_mode: str = Field(
+        default="bridge", description="Docker network mode of job containers."
+    )
+    job_cleanup_interval_s: float = Field(
+        default=300.0, gt=0, description="Period of the finished-job retention sweep."
+    )
+    job_cancel_wait_s: float = Field(
+        default=20.0, gt=0, description="How long DELETE /jobs/{id} waits for the job to end."
+    )
+
+    # --- resources ------------------------------------------------------------------------------
+    default_reservation_ttl_seconds: float = Field(
+        default=86400.0, gt=0, description="Expiry of a reservation that gives none."
+    )
+    resource_usage_interval_s: float = Field(
+        default=10.0, gt=0, description="Period of the actual-usage refresh of reservations."
+    )
+    reservation_cleanup_interval_s: float = Field(
+        default=60.0, gt=0, description="Period of the expired-reservation sweep."
+    )
+
+    # --- SGLang ----------------------------------------------------------------------------------
+    sglang_venv_path: str = Field(
+        default="", description="Virtualenv holding SGLang (bin/sglang or bin/python)."
+    )
+    sglang_prompt_cache_dir: str = Field(
+        default="", description="Root of per-instance SGLang file prompt caches (dedicated)."
+    )
+
+    @field_validator("api_key", "host_name", "solar_control_url", "harbor_url", mode="before")
+    @classmethod
+    def _strip(cls, v: object) -> object:
+        return v.strip() if isinstance(v, str) else v
+
+    @field_validator("api_key")
+    @classmethod
+    def _refuse_placeholder(cls, v: str) -> str:
+        if v and v.lower() in PLACEHOLDER_API_KEYS:
+            raise ValueError(
+                "is a placeholder from the documentation; set a secret of your own "
+                "or leave API_KEY empty to have one generated"
+            )
+        return v
+
+    # --- derived values -----------------------------------------------------------------------
+    @property
+    def effective_host_name(self) -> str:
+        return self.host_name or socket.gethostname()
+
+    @property
+    def control_urls(self) -> list[str]:
+        return [u.strip() for u in self.solar_control_url.split(",") if u.strip()]
+
+    @property
+    def api_key_file(self) -> Path:
+        """Where a generated key is kept: beside config.json."""
+        return self.config_file.parent / "api_key"
+
+
+class SettingsError(Exception):
+    """Start-up configuration is invalid; the message is one line naming the variable."""
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        name = str(e["loc"][0]).upper() if e["loc"] else "?"
+        parts.append(f"{name}: {e['msg']}")
+    return "Invalid setting " + "; ".join(parts)
+
+
+def load_settings(env_file: str | Path | None = ".env", **overrides: object) -> Settings:
+    """Build Settings from the environment and `env_file`; raise SettingsError on bad values."""
+    try:
+        return Settings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
+    except ValidationError as err:
+        raise SettingsError(describe_validation_error(err)) from None
