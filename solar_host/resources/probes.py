@@ -141,7 +141,10 @@ class LiveProbe:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
                 procs = []
-                for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                for fn in (
+                    "nvmlDeviceGetComputeRunningProcesses",
+                    "nvmlDeviceGetGraphicsRunningProcesses",
+                ):
                     try:
                         procs.extend(getattr(nv, fn)(h))
                     except Exception:

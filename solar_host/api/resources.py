@@ -1,0 +1,60 @@
+"""Resource routes: the capacity snapshot and the reservation ledger (control-contract 3.4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from solar_host.resources.ledger import CapacityExceeded, ReservationNotFound, ReservationRunning
+from solar_host.resources.schemas import (
+    CapacityExceededBody,
+    ReleasedBody,
+    ReservationRequest,
+    ReservationView,
+    ResourceSnapshot,
+)
+
+router = APIRouter(tags=["resources"])
+
+
+def _service(request: Request) -> Any:
+    service = request.app.state.host.services.get("resources")
+    if service is None:
+        raise HTTPException(503, "Resource manager unavailable")
+    return service
+
+
+@router.get("/resources", response_model=ResourceSnapshot)
+async def get_resources(request: Request) -> dict[str, Any]:
+    """Capacity per dimension and every reservation (the same body as host_health.resources)."""
+    return _service(request).snapshot()
+
+
+@router.post(
+    "/resources/reservations",
+    status_code=201,
+    response_model=ReservationView,
+    responses={409: {"model": CapacityExceededBody, "description": "Not enough capacity"}},
+)
+async def create_reservation(body: ReservationRequest, request: Request) -> Any:
+    """Pre-claim capacity for a job. 409 (flat body) when a dimension lacks room."""
+    try:
+        return _service(request).create(body)
+    except CapacityExceeded as err:
+        return JSONResponse(status_code=409, content=err.body())
+
+
+@router.delete(
+    "/resources/reservations/{reservation_id}",
+    response_model=ReleasedBody,
+    responses={404: {"description": "Unknown id"}, 409: {"description": "Its job is running"}},
+)
+async def release_reservation(reservation_id: str, request: Request) -> dict[str, str]:
+    try:
+        return _service(request).release(reservation_id)
+    except ReservationNotFound as err:
+        raise HTTPException(404, str(err)) from None
+    except ReservationRunning as err:
+        raise HTTPException(409, str(err)) from None

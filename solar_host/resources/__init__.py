@@ -1,0 +1,1 @@
+"""Capacity of the machine and the reservation ledger (probes, ledger, usage, service)."""

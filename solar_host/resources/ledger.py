@@ -1,0 +1,301 @@
+"""The reservation ledger: capacity pre-claimed by solar-control, in memory only.
+
+Accounting, per dimension d (VRAM, RAM, disk):
+
+    reported_used_d = system_used_d + sum_i headroom_i,d
+    available_d     = max(0, total_d - reported_used_d)
+
+where a pending reservation's headroom is its full reserved amount and a running one's is only
+what its job has not yet consumed, max(reserved - actual, 0): the consumed part is already in the
+measured system usage and must not be counted twice.
+
+Multi-GPU hosts: the VRAM dimension is the SUM over all NVIDIA GPUs (as upstream and as control's
+placement expect). A 16 GiB request on two 8 GiB GPUs therefore fits by these figures although no
+single GPU holds it; the job itself decides how to split across devices.
+
+One lock guards check-and-insert, and the system usage for the check is read inside it, so
+concurrent creates can never together exceed what was available.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from solar_host.resources.probes import GB
+from solar_host.resources.schemas import ReservationRequest
+
+DIMENSIONS = ("vram", "ram", "disk")
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Total and used bytes of one dimension, as the probe measured them."""
+
+    total_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SystemUsage:
+    """What the machine has and uses. `vram` is None on hosts without an NVIDIA GPU."""
+
+    vram: Capacity | None
+    ram: Capacity | None
+    disk: Capacity | None
+
+    @property
+    def memory_type(self) -> str:
+        return "VRAM" if self.vram is not None else "RAM"
+
+    def get(self, dim: str) -> Capacity | None:
+        return getattr(self, dim)
+
+
+class CapacityExceeded(Exception):
+    """A reservation would take more than is available in `dimension`."""
+
+    def __init__(self, dimension: str, requested_gb: float, available_gb: float):
+        super().__init__(f"{dimension}: requested {requested_gb} GiB, available {available_gb} GiB")
+        self.dimension = dimension
+        self.requested_gb = requested_gb
+        self.available_gb = available_gb
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": "capacity_exceeded",
+            "dimension": self.dimension,
+            "requested_gb": self.requested_gb,
+            "available_gb": self.available_gb,
+        }
+
+
+class ReservationNotFound(KeyError):
+    def __init__(self, reservation_id: str):
+        super().__init__(reservation_id)
+        self.reservation_id = reservation_id
+
+    def __str__(self) -> str:
+        return f"Reservation '{self.reservation_id}' not found"
+
+
+class ReservationRunning(Exception):
+    """Releasing a reservation whose job holds the capacity right now."""
+
+    def __init__(self, reservation_id: str, job_id: str):
+        super().__init__(
+            f"Cannot release reservation '{reservation_id}': job '{job_id}' is currently running"
+        )
+        self.reservation_id = reservation_id
+        self.job_id = job_id
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: str
+    job_id: str
+    workload_type: str
+    requester: str | None
+    vram_gb: float
+    ram_gb: float
+    disk_gb: float | None
+    created_at: datetime
+    expires_at: datetime | None
+    # Measured use of the job's container; meaningful only while the job runs.
+    actual_vram_gb: float | None = None
+    actual_ram_gb: float | None = None
+    actual_disk_gb: float | None = None
+
+    def reserved(self, dim: str) -> float:
+        value = getattr(self, f"{dim}_gb")
+        return float(value or 0.0)
+
+    def actual(self, dim: str) -> float | None:
+        return getattr(self, f"actual_{dim}_gb")
+
+    def headroom(self, dim: str, running: bool) -> float:
+        """What this reservation adds to the reported use of `dim`."""
+        reserved = self.reserved(dim)
+        if not running:
+            return reserved
+        return max(reserved - (self.actual(dim) or 0.0), 0.0)
+
+    def view(self, running: bool) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "job_id": self.job_id,
+            "workload_type": self.workload_type,
+            "requester": self.requester,
+            "status": "running" if running else "pending",
+            "vram_gb": float(self.vram_gb),
+            "ram_gb": float(self.ram_gb),
+            "disk_gb": self.disk_gb,
+            "actual_vram_gb": self.actual_vram_gb if running else None,
+            "actual_ram_gb": self.actual_ram_gb if running else None,
+            "actual_disk_gb": self.actual_disk_gb if running else None,
+            "expires_at": iso_z(self.expires_at),
+            "created_at": iso_z(self.created_at),
+        }
+
+
+def iso_z(value: datetime | None) -> str | None:
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def new_reservation_id() -> str:
+    return "res-" + secrets.token_hex(16)
+
+
+def dimension(cap: Capacity, headroom_gb: float) -> dict[str, float]:
+    """One dimension of the snapshot, 2 decimals, as control reads it."""
+    total = cap.total_bytes / GB
+    used = cap.used_bytes / GB
+    reported = used + headroom_gb
+    return {
+        "total_gb": round(total, 2),
+        "system_used_gb": round(used, 2),
+        "reserved_headroom_gb": round(headroom_gb, 2),
+        "reported_used_gb": round(reported, 2),
+        "available_gb": round(max(0.0, total - reported), 2),
+    }
+
+
+class Ledger:
+    """Reservations by id. `is_running(job_id)` says whether a reservation's job runs now."""
+
+    def __init__(self, is_running: Callable[[str], bool]):
+        self._is_running = is_running
+        self._items: dict[str, Reservation] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _running(self, r: Reservation) -> bool:
+        try:
+            return bool(self._is_running(r.job_id))
+        except Exception:  # a broken job view must not break accounting: count it in full
+            return False
+
+    def _dimensions(
+        self, usage: SystemUsage, running: dict[str, bool]
+    ) -> dict[str, dict[str, float] | None]:
+        out: dict[str, dict[str, float] | None] = {}
+        for dim in DIMENSIONS:
+            cap = usage.get(dim)
+            if cap is None:
+                out[dim] = None
+                continue
+            headroom = sum(r.headroom(dim, running[r.id]) for r in self._items.values())
+            out[dim] = dimension(cap, headroom)
+        return out
+
+    def snapshot(self, usage: SystemUsage) -> dict[str, Any]:
+        with self._lock:
+            running = {r.id: self._running(r) for r in self._items.values()}
+            dims = self._dimensions(usage, running)
+            views = [r.view(running[r.id]) for r in self._items.values()]
+        return {"memory_type": usage.memory_type, **dims, "reservations": views}
+
+    def summary(self, usage: SystemUsage) -> dict[str, Any]:
+        """The legacy host_health `reservations` block: a count and the dimensions present."""
+        with self._lock:
+            running = {r.id: self._running(r) for r in self._items.values()}
+            dims = self._dimensions(usage, running)
+            out: dict[str, Any] = {"active_count": len(self._items)}
+        out.update({k: v for k, v in dims.items() if v is not None})
+        return out
+
+    def create(
+        self,
+        req: ReservationRequest,
+        read_usage: Callable[[], SystemUsage],
+        *,
+        default_ttl_s: float | None,
+        now: datetime | None = None,
+    ) -> dict[str, Any]:
+        """Check capacity and insert, atomically. Raises CapacityExceeded."""
+        now = now or datetime.now(UTC)
+        if req.expires_at is not None:
+            expires: datetime | None = req.expires_at
+        elif req.ttl_seconds is not None:
+            expires = now + timedelta(seconds=req.ttl_seconds)
+        elif default_ttl_s:
+            expires = now + timedelta(seconds=default_ttl_s)
+        else:
+            expires = None
+        with self._lock:
+            usage = read_usage()  # inside the lock: see the module docstring
+            vram, ram = float(req.vram_gb), float(req.ram_gb)
+            if usage.vram is None:  # no VRAM dimension: the memory a job needs is RAM
+                vram, ram = 0.0, ram + vram
+            wanted = {"vram": vram, "ram": ram, "disk": req.disk_gb}
+            running = {r.id: self._running(r) for r in self._items.values()}
+            dims = self._dimensions(usage, running)
+            for dim in DIMENSIONS:
+                asked, dim_now = wanted[dim], dims[dim]
+                if not asked or dim_now is None:
+                    continue
+                if asked > dim_now["available_gb"]:
+                    raise CapacityExceeded(dim, round(asked, 4), dim_now["available_gb"])
+            res = Reservation(
+                id=new_reservation_id(),
+                job_id=req.job_id,
+                workload_type=req.workload_type,
+                requester=req.requester,
+                vram_gb=vram,
+                ram_gb=ram,
+                disk_gb=req.disk_gb,
+                created_at=now,
+                expires_at=expires,
+            )
+            self._items[res.id] = res
+            return res.view(self._running(res))
+
+    def release(self, reservation_id: str) -> Reservation:
+        with self._lock:
+            res = self._items.get(reservation_id)
+            if res is None:
+                raise ReservationNotFound(reservation_id)
+            if self._running(res):
+                raise ReservationRunning(reservation_id, res.job_id)
+            del self._items[reservation_id]
+            return res
+
+    def expire(self, now: datetime | None = None) -> list[str]:
+        """Remove reservations whose expiry has passed, unless their job runs. Returns ids."""
+        now = now or datetime.now(UTC)
+        removed = []
+        with self._lock:
+            for res in list(self._items.values()):
+                if res.expires_at is not None and res.expires_at <= now and not self._running(res):
+                    del self._items[res.id]
+                    removed.append(res.id)
+        return removed
+
+    def running_jobs(self) -> dict[str, list[str]]:
+        """job_id -> reservation ids, for reservations whose job runs now."""
+        out: dict[str, list[str]] = {}
+        with self._lock:
+            for res in self._items.values():
+                if self._running(res):
+                    out.setdefault(res.job_id, []).append(res.id)
+        return out
+
+    def set_actuals(self, actuals: dict[str, tuple[float | None, float | None, float | None]]):
+        """Record measured (vram, ram, disk) GiB per reservation id; clear all others."""
+        with self._lock:
+            for res in self._items.values():
+                vram, ram, disk = actuals.get(res.id, (None, None, None))
+                res.actual_vram_gb, res.actual_ram_gb, res.actual_disk_gb = vram, ram, disk
+
+    def get(self, reservation_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            res = self._items.get(reservation_id)
+            return None if res is None else res.view(self._running(res))

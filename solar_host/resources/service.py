@@ -1,0 +1,183 @@
+"""ResourceService: the capacity snapshot, the reservation ledger and its two loops.
+
+`snapshot()` is the one function behind `GET /resources` and `host_health.resources`;
+`health_summary()` is the legacy host_health `reservations` block. The usage and cleanup loops
+run whenever the host runs, with or without a control link (upstream ran them only with one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from datetime import datetime
+from typing import Any
+
+from solar_host.events import EventBus, ReservationsChanged
+from solar_host.resources.ledger import Capacity, Ledger, SystemUsage
+from solar_host.resources.probes import CachedValue, SystemProbe
+from solar_host.resources.schemas import ReservationRequest
+from solar_host.resources.usage import JobView, measure_jobs
+from solar_host.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# System figures are re-read at most this often: a burst of snapshots must not hammer NVML.
+SYSTEM_READ_TTL_S = 1.0
+
+
+def read_system_usage(probe: SystemProbe, disk_path: Any) -> SystemUsage:
+    """Totals and use per dimension; a failing probe leaves that dimension out (None)."""
+    vram = ram = disk = None
+    try:
+        gpus = probe.gpus()
+        if gpus:
+            vram = Capacity(
+                total_bytes=sum(g.total_bytes for g in gpus),
+                used_bytes=sum(g.used_bytes for g in gpus),
+            )
+    except Exception as err:
+        log.warning("GPU probe failed: %s", err)
+    try:
+        r = probe.ram()
+        ram = Capacity(total_bytes=r.total_bytes, used_bytes=r.used_bytes)
+    except Exception as err:
+        log.warning("RAM probe failed: %s", err)
+    try:
+        d = probe.disk(disk_path)
+        if d is not None:
+            disk = Capacity(total_bytes=d.total_bytes, used_bytes=d.used_bytes)
+    except Exception as err:
+        log.warning("disk probe failed: %s", err)
+    return SystemUsage(vram=vram, ram=ram, disk=disk)
+
+
+class ResourceService:
+    """Owns the ledger. `jobs` (a JobView) is set after construction; None: nothing runs."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        bus: EventBus,
+        probe: SystemProbe,
+        jobs: JobView | None = None,
+    ):
+        self.settings = settings
+        self.bus = bus
+        self.probe = probe
+        self.jobs = jobs
+        self.ledger = Ledger(self._job_running)
+        self._system = CachedValue(SYSTEM_READ_TTL_S)
+        self._system_lock = threading.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.usage_refreshes = 0
+        self.cleanup_runs = 0
+
+    # --- reads -------------------------------------------------------------------------------
+    def _job_running(self, job_id: str) -> bool:
+        jobs = self.jobs
+        return jobs is not None and bool(jobs.is_running(job_id))
+
+    def system_usage(self) -> SystemUsage:
+        with self._system_lock:
+            return self._system.get(lambda: read_system_usage(self.probe, self.settings.models_dir))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ResourceSnapshot (JSON-ready): `GET /resources` and `host_health.resources`."""
+        return self.ledger.snapshot(self.system_usage())
+
+    def health_summary(self) -> dict[str, Any]:
+        """Legacy host_health block: {active_count, vram?, ram?, disk?}."""
+        return self.ledger.summary(self.system_usage())
+
+    def get(self, reservation_id: str) -> dict[str, Any] | None:
+        return self.ledger.get(reservation_id)
+
+    # --- changes (call from the event-loop thread: they publish) ------------------------------
+    def create(self, req: ReservationRequest) -> dict[str, Any]:
+        """Reserve capacity; the view of the new reservation. Raises CapacityExceeded."""
+        view = self.ledger.create(
+            req,
+            self.system_usage,
+            default_ttl_s=self.settings.default_reservation_ttl_seconds,
+        )
+        log.info(
+            "reservation %s created for job %s (vram %.2f, ram %.2f, disk %s GiB)",
+            view["id"],
+            view["job_id"],
+            view["vram_gb"],
+            view["ram_gb"],
+            view["disk_gb"],
+        )
+        self.bus.publish(ReservationsChanged(reason="created"))
+        return view
+
+    def release(self, reservation_id: str) -> dict[str, str]:
+        """Raises ReservationNotFound, or ReservationRunning while its job runs."""
+        res = self.ledger.release(reservation_id)
+        log.info("reservation %s released (job %s)", res.id, res.job_id)
+        self.bus.publish(ReservationsChanged(reason="released"))
+        return {"detail": "released", "id": res.id}
+
+    def cleanup_expired(self, now: datetime | None = None) -> int:
+        removed = self.ledger.expire(now)
+        self.cleanup_runs += 1
+        if removed:
+            log.info("expired reservations removed: %s", ", ".join(removed))
+            self.bus.publish(ReservationsChanged(reason="expired"))
+        return len(removed)
+
+    async def refresh_usage(self) -> None:
+        """Measure the containers of running jobs; reservations of other jobs lose their actuals."""
+        jobs = self.jobs
+        running = self.ledger.running_jobs() if jobs is not None else {}
+        measured = {}
+        if running and jobs is not None:
+            measured = await asyncio.to_thread(
+                measure_jobs, running.keys(), jobs, self.probe, self.settings.jobs_dir
+            )
+        actuals = {
+            res_id: usage.as_tuple()
+            for job_id, usage in measured.items()
+            for res_id in running.get(job_id, ())
+        }
+        self.ledger.set_actuals(actuals)
+        self.usage_refreshes += 1
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(
+                self._every(self.settings.resource_usage_interval_s, self.refresh_usage),
+                name="resource-usage-poll",
+            ),
+            asyncio.create_task(
+                self._every(self.settings.reservation_cleanup_interval_s, self._cleanup_async),
+                name="reservation-cleanup",
+            ),
+        ]
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _cleanup_async(self) -> None:
+        self.cleanup_expired()
+
+    @staticmethod
+    async def _every(interval_s: float, action: Any) -> None:
+        """Run `action` every `interval_s`; a failure is logged and the loop goes on."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await action()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("resource loop %s failed", getattr(action, "__name__", action))
