@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from solar_host.backends.base import LOADER_ENV_VARS, BackendConfigBase
 
-# Flags the host sets itself. SGLang's CLI is argparse with abbreviations allowed, so any
-# unambiguous prefix of these (e.g. `--por`) would set them too: see `managed_flag_of`.
+# Flags the host sets itself. extra_args come last on the command line and argparse keeps the
+# last value it sees, so letting a caller repeat one of these would override the host's value.
 MANAGED_FLAGS = (
     "--host",
     "--port",
@@ -19,52 +20,71 @@ MANAGED_FLAGS = (
     "--served-model-name",
     "--enable-metrics",
 )
-# Variables the host manages for SGLang; extra_env must not override them.
+# Other option strings of the same argparse actions (sglang 0.5.23: `--model` is an alias of
+# `--model-path`); each maps to the managed flag named in errors.
+_MANAGED_ALIASES = {"--model": "--model-path"}
+_MANAGED_SPELLINGS = {**{f: f for f in MANAGED_FLAGS}, **_MANAGED_ALIASES}
+# Variables the host manages for SGLang; extra_env must not override them. SGLang reads no
+# environment variable for its API key (checked in sglang 0.5.23: only `--api-key`).
 MANAGED_ENV_VARS = frozenset(
     {
-        "SGLANG_API_KEY",
         "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
         "PYTHONUNBUFFERED",
     }
 )
-# Every long option of `sglang serve` that starts like a managed flag. An abbreviation is
-# only ambiguous (and so refused by argparse itself) when it prefixes two of these, so a
-# prefix of a managed flag that prefixes nothing else here is what argparse would expand.
-_KNOWN_FLAGS_SHARING_PREFIXES = (
-    "--host",
-    "--port",
-    "--api-key",
-    "--admin-api-key",
-    "--model-path",
-    "--model-impl",
-    "--model-loader-extra-config",
-    "--model-checksum",
-    "--served-model-name",
-    "--enable-metrics",
-    "--enable-metrics-for-all-schedulers",
+# Loader-like variables beyond base.LOADER_ENV_VARS: every dynamic-loader knob, glibc's gconv
+# module path, and Python variables that make the interpreter load code from elsewhere.
+_LOADER_ENV_PREFIXES = ("LD_", "DYLD_")
+_MORE_LOADER_ENV_VARS = frozenset(
+    {
+        "GCONV_PATH",
+        "PYTHONPLATLIBDIR",
+        "PYTHONPYCACHEPREFIX",
+        "PYTHONBREAKPOINT",
+        "PYTHONEXECUTABLE",
+    }
 )
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def managed_flag_of(arg: str) -> str | None:
-    """The managed flag that `arg` would set in an argparse CLI, or None."""
+    """The managed flag that `arg` would set on SGLang's argparse CLI, or None.
+
+    argparse (allow_abbrev=True, SGLang's default) accepts `--flag value`, `--flag=value` and
+    any unambiguous prefix of a long option, in both forms. An exact option string always
+    wins; a prefix is expanded when it prefixes exactly one option and refused as ambiguous
+    otherwise. So every prefix of a managed option string is refused here, whatever other
+    options a given SGLang version has: argparse would either expand it to the managed flag
+    or reject it as ambiguous, and no SGLang option is a strict prefix of a managed one except
+    the alias `--model`. Underscore spellings are refused too (harmless if SGLang rejects
+    them, safe if a version accepts them).
+    """
     if not arg.startswith("--"):
+        # Single-dash strings never expand to a `--long` option in argparse.
         return None
-    name = arg.split("=", 1)[0]
-    if name in MANAGED_FLAGS:
-        return name
-    # argparse also accepts `--flag_name` spelled with underscores in SGLang (it defines both
-    # spellings for some options); normalise before matching prefixes.
-    norm = name.replace("_", "-")
-    if norm in MANAGED_FLAGS:
-        return norm
-    if len(norm) < 3:
-        return None
-    candidates = [f for f in _KNOWN_FLAGS_SHARING_PREFIXES if f.startswith(norm)]
-    managed = [f for f in candidates if f in MANAGED_FLAGS]
-    if managed and len(candidates) == 1:
-        return managed[0]
-    # An exact managed flag that is also the prefix of a longer option still wins in argparse
-    # only on an exact match, handled above; several candidates mean argparse refuses it.
+    name = arg.split("=", 1)[0].replace("_", "-")
+    if len(name) <= 2:
+        return None  # bare `--` ends option parsing; it sets nothing
+    exact = _MANAGED_SPELLINGS.get(name)
+    if exact:
+        return exact
+    for spelling, flag in _MANAGED_SPELLINGS.items():
+        if spelling.startswith(name):
+            return flag
+    return None
+
+
+def loader_env_reason(name: str) -> str | None:
+    """Why `name` may not be set through extra_env, or None when it may."""
+    upper = name.upper()
+    if (
+        upper in LOADER_ENV_VARS
+        or upper in _MORE_LOADER_ENV_VARS
+        or upper.startswith(_LOADER_ENV_PREFIXES)
+    ):
+        return f"extra_env must not set '{name}': it changes what code the backend loads"
+    if upper in MANAGED_ENV_VARS:
+        return f"extra_env must not set '{name}': it is managed by solar-host"
     return None
 
 
@@ -130,9 +150,7 @@ class SglangConfig(BackendConfigBase):
             try:
                 v = json.loads(v)
             except ValueError:
-                raise ValueError(
-                    "hicache_storage_backend_extra_config is not valid JSON"
-                ) from None
+                raise ValueError("hicache_storage_backend_extra_config is not valid JSON") from None
         if not isinstance(v, dict):
             raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
         return json.dumps(v, separators=(",", ":"), sort_keys=True)
@@ -151,9 +169,10 @@ class SglangConfig(BackendConfigBase):
                 raise ValueError("extra_args must not contain NUL characters")
             flag = managed_flag_of(s)
             if flag:
+                given = s.split("=", 1)[0]
                 raise ValueError(
                     f"'{flag}' is managed by solar-host and must not be set through extra_args"
-                    + (f" (got '{s.split('=', 1)[0]}')" if s.split("=", 1)[0] != flag else "")
+                    + (f" (got '{given}')" if given != flag else "")
                 )
             out.append(s)
         return out or None
@@ -163,19 +182,20 @@ class SglangConfig(BackendConfigBase):
     def _extra_env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         if v is None:
             return None
-        for name, value in v.items():
-            if not name.strip():
+        out: dict[str, str] = {}
+        for raw_name, value in v.items():
+            name = raw_name.strip()
+            if not name:
                 raise ValueError("extra_env must not contain blank variable names")
-            if "=" in name or "\x00" in name or "\x00" in value:
+            if not _ENV_NAME.match(name):
                 raise ValueError(f"extra_env name '{name}' is not a valid variable name")
-            upper = name.strip().upper()
-            if upper in LOADER_ENV_VARS:
-                raise ValueError(
-                    f"extra_env must not set '{name}': it changes what code the backend loads"
-                )
-            if upper in MANAGED_ENV_VARS:
-                raise ValueError(f"'{name}' is managed by solar-host and must not be set")
-        return {k.strip(): val for k, val in v.items()} or None
+            if "\x00" in value:
+                raise ValueError(f"extra_env value of '{name}' must not contain NUL characters")
+            reason = loader_env_reason(name)
+            if reason:
+                raise ValueError(reason)
+            out[name] = value
+        return out or None
 
     @model_validator(mode="after")
     def _needs_model(self) -> SglangConfig:
