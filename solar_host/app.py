@@ -143,6 +143,10 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     host.add("instances", manager)
 
     # --- control link (last: it reads every other service) ----------------------------------
+    if settings.control_urls:
+        from solar_host.control.client import ControlLink
+
+        host.add("control", ControlLink(host))
     # --- metrics ----------------------------------------------------------------------------------
 
     for name, service in overrides.items():

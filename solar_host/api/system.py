@@ -58,4 +58,9 @@ async def reconnect(request: Request) -> dict[str, str]:
     control = host.services.get("control")
     if control is None:
         raise HTTPException(503, "No solar-control client configured")
-    return {"status": await control.reconnect()}
+    from solar_host.control.client import ControlLinkUnavailable
+
+    try:
+        return {"status": await control.reconnect()}
+    except ControlLinkUnavailable as err:
+        raise HTTPException(503, str(err)) from None
