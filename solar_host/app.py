@@ -130,6 +130,10 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
 
     # --- resources (ledger, usage) ----------------------------------------------------------
     # --- model store ------------------------------------------------------------------------
+    from solar_host.model_store.service import ModelStore
+
+    store = overrides.pop("models", None) or ModelStore(settings, bus=host.bus, probe=host.probe)
+    host.add("models", store)
     # --- jobs ----------------------------------------------------------------------------------
 
     manager = overrides.pop("instances", None) or InstanceManager(
@@ -142,6 +146,7 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     )
     host.add("instances", manager)
 
+    store.in_use = manager.models_in_use
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:
         from solar_host.control.client import ControlLink
@@ -181,6 +186,9 @@ def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any
     for module in (system, instances, streams, docs):
         app.include_router(module.router)
     # --- feature routers (models, jobs, resources, metrics) -----------------------------------
+    from solar_host.api import models as models_api
+
+    app.include_router(models_api.router)
 
     install_openapi_security(app)
     app.add_middleware(APIKeyMiddleware, get_key=host.key, is_public=host_public_paths(host))

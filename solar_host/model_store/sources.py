@@ -11,7 +11,9 @@ import os
 import re
 from pathlib import Path
 
-REPO_RE = re.compile(r"^repo://(?P<name>[A-Za-z0-9_-]+):(?P<version>[A-Za-z0-9_.-]+)(?:/(?P<sub>.*))?$")
+REPO_RE = re.compile(
+    r"^repo://(?P<name>[A-Za-z0-9_-]+):(?P<version>[A-Za-z0-9_.-]+)(?:/(?P<sub>.*))?$"
+)
 HF_PREFIX = "huggingface://"
 LOCAL_PREFIX = "local://"
 

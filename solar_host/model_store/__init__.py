@@ -1,0 +1,1 @@
+"""The managed models directory: pulls from HuggingFace and OCI registries, listing, deletion."""

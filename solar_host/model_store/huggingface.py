@@ -1,0 +1,111 @@
+"""HuggingFace Hub snapshots, downloaded with huggingface_hub into a local directory.
+
+`download` is blocking and runs in a worker thread. huggingface_hub keeps `.incomplete` files
+and per-file metadata under `<local_dir>/.cache/huggingface/`, so a pull interrupted and started
+again continues from what it has. Progress and cancellation ride on the byte-progress bar that
+snapshot_download updates for every chunk: our bar class counts bytes and raises when the pull
+is cancelled, which unwinds the download at the next chunk.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+from solar_host.model_store.progress import ByteCounter
+from solar_host.model_store.pull import PullError
+
+
+class PullCancelled(Exception):
+    """Raised inside a download thread when its pull was cancelled or aborted."""
+
+
+def _bar_class(counter: ByteCounter, cancel: threading.Event) -> type:
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class CountingBar(hf_tqdm):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._counts = kwargs.get("name") == "huggingface_hub.snapshot_download"
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if cancel.is_set():
+                raise PullCancelled("pull cancelled")
+            if self._counts and n:
+                counter.add(int(n))
+            return None
+
+    return CountingBar
+
+
+def download(
+    model_id: str,
+    local_dir: Path,
+    *,
+    token: str | None,
+    endpoint: str | None,
+    allow_patterns: list[str] | None,
+    counter: ByteCounter,
+    cancel: threading.Event,
+) -> None:
+    from huggingface_hub import snapshot_download
+
+    local_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        snapshot_download(
+            repo_id=model_id,
+            local_dir=str(local_dir),
+            token=token or None,
+            endpoint=endpoint or None,
+            allow_patterns=allow_patterns or None,
+            tqdm_class=_bar_class(counter, cancel),
+            max_workers=4,
+        )
+    except PullCancelled:
+        raise
+    except Exception as err:
+        if cancel.is_set():
+            raise PullCancelled("pull cancelled") from err
+        raise map_error(err) from err
+
+
+def map_error(err: BaseException) -> PullError:
+    """huggingface_hub's errors as the contract's statuses."""
+    from huggingface_hub import errors as hf
+
+    if isinstance(err, PullError):
+        return err
+    if isinstance(err, hf.GatedRepoError):
+        return PullError(401, "auth_failed", f"Access to the repository is restricted: {err}")
+    if isinstance(err, hf.RepositoryNotFoundError):
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            return PullError(401, "auth_failed", f"Authentication failed: {_first_line(err)}")
+        return PullError(404, "not_found", f"Repository not found: {_first_line(err)}")
+    if isinstance(err, hf.RevisionNotFoundError | hf.RemoteEntryNotFoundError):
+        return PullError(404, "not_found", _first_line(err))
+    if isinstance(err, hf.HfHubHTTPError):
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            return PullError(401, "auth_failed", f"Authentication failed: {_first_line(err)}")
+        return PullError(502, "source_unreachable", f"HuggingFace Hub error: {_first_line(err)}")
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return PullError(507, "insufficient_storage", "Insufficient disk space.")
+    if isinstance(err, hf.LocalEntryNotFoundError | ConnectionError | TimeoutError):
+        return PullError(
+            502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
+        )
+    mod = type(err).__module__
+    if mod.startswith(("httpx", "httpcore", "requests", "urllib3")):
+        return PullError(
+            502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
+        )
+    return PullError(500, "model_pull_failed", f"{type(err).__name__}: {_first_line(err)}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
