@@ -1,0 +1,348 @@
+"""Request parsing and response shapes of hf_server: pure Python, no torch.
+
+Every bad input raises `APIError`, which the server turns into an OpenAI-style error body
+`{"error": {"message", "type", "code", "param"}}`. Parsing is hand-written (no pydantic) to
+keep per-request overhead low on the embeddings hot path.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP_SEQUENCES = 4
+
+
+class APIError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON; NaN/Infinity are refused (they are not JSON)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise bad("Request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise bad(f"Request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("Request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be a boolean", name)
+    return v
+
+
+def _number(
+    body: dict[str, Any], name: str, default: float | None, lo: float, hi: float
+) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad(f"'{name}' must be a number", name)
+    if not lo <= v <= hi:
+        raise bad(f"'{name}' must be between {lo:g} and {hi:g}, got {v}", name)
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer", name)
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad(f"'{name}' must be {rng}, got {v}", name)
+    return v
+
+
+def text_inputs(body: dict[str, Any], name: str = "input") -> list[str]:
+    """`input` as a non-empty list of non-empty strings (a single string is a list of one)."""
+    if name not in body:
+        raise bad(f"'{name}' is required", name, code="missing_field")
+    v = body[name]
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise bad(f"'{name}' must be a string or a list of strings", name)
+    if not v:
+        raise bad(f"'{name}' must not be empty", name)
+    for i, s in enumerate(v):
+        if not isinstance(s, str):
+            raise bad(f"'{name}[{i}]' must be a string", name)
+        if not s:
+            raise bad(f"'{name}[{i}]' must not be an empty string", name)
+    return v
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    texts: list[str]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate: bool = False
+
+
+def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
+    texts = text_inputs(body)
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    return EmbeddingRequest(texts, fmt, _int(body, "dimensions", 1), _bool(body, "truncate", False))
+
+
+@dataclass(slots=True)
+class ClassifyRequest:
+    texts: list[str]
+    return_all_scores: bool = False
+    truncate: bool = False
+
+
+def parse_classify(body: dict[str, Any]) -> ClassifyRequest:
+    return ClassifyRequest(
+        text_inputs(body),
+        _bool(body, "return_all_scores", False),
+        _bool(body, "truncate", False),
+    )
+
+
+@dataclass(slots=True)
+class GenParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    seed: int | None = None
+
+
+def parse_gen_params(body: dict[str, Any]) -> GenParams:
+    n = _int(body, "n", 1)
+    if n not in (None, 1):
+        raise bad("Only n=1 is supported", "n")
+    max_tokens = _int(body, "max_tokens", 1)
+    mct = _int(body, "max_completion_tokens", 1)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_SEQUENCES:
+        raise bad(f"'stop' accepts at most {MAX_STOP_SEQUENCES} sequences", "stop")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = bool(opts and opts.get("include_usage") is True)
+    return GenParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # type: ignore[arg-type]
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        max_tokens=max_tokens if max_tokens is not None else mct,
+        stop=stop,
+        stream=_bool(body, "stream", False),
+        include_usage=include_usage,
+        seed=_int(body, "seed", 0),
+    )
+
+
+def parse_prompt(body: dict[str, Any]) -> str:
+    if "prompt" not in body:
+        raise bad("'prompt' is required", "prompt", code="missing_field")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        raise bad("'prompt' must be a string (batched prompts are not supported)", "prompt")
+    return p
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    if "messages" not in body:
+        raise bad("'messages' is required", "messages", code="missing_field")
+    msgs = body["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"'messages[{i}]' must be an object", "messages")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise bad(f"'messages[{i}].role' must be a non-empty string", "messages")
+        c = m.get("content")
+        if c is not None and not isinstance(c, str | list):
+            raise bad(f"'messages[{i}].content' must be a string or a list of parts", "messages")
+    return msgs
+
+
+def text_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """Chat messages for a text-only model: content parts must all be text."""
+    out = []
+    for i, m in enumerate(_messages(body)):
+        c = m.get("content")
+        if isinstance(c, list):
+            texts = []
+            for part in c:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(
+                        "Causal model received non-text content; use a vision model",
+                        "messages",
+                        code="unsupported_content",
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise bad(f"'messages[{i}]' text part needs a string 'text'", "messages")
+                texts.append(part["text"])
+            c = "".join(texts)
+        out.append({"role": m["role"], "content": c or ""})
+    return out
+
+
+def decode_data_uri(url: str) -> bytes:
+    """The bytes of a base64 `data:` URI. Remote URLs are refused: no fetches (no SSRF)."""
+    if not isinstance(url, str) or not url:
+        raise bad("'image_url.url' must be a non-empty string", "messages")
+    low = url[:16].lower()
+    if not low.startswith("data:"):
+        raise bad(
+            "Only data: URIs (base64) are accepted for images; remote URLs are not fetched",
+            "messages",
+            code="unsupported_image_url",
+        )
+    head, sep, data = url.partition(",")
+    if not sep or not head.lower().endswith(";base64"):
+        raise bad("Image data URI must be base64 encoded (data:<mime>;base64,...)", "messages")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad("Image data URI has invalid base64 data", "messages") from None
+    if not raw:
+        raise bad("Image data URI is empty", "messages")
+    return raw
+
+
+def vision_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Chat messages with parts normalised to {type: text|image}, and the image bytes in order."""
+    out: list[dict[str, Any]] = []
+    images: list[bytes] = []
+    for i, m in enumerate(_messages(body)):
+        c = m.get("content")
+        if c is None or isinstance(c, str):
+            out.append({"role": m["role"], "content": [{"type": "text", "text": c or ""}]})
+            continue
+        parts: list[dict[str, Any]] = []
+        for part in c:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                iu = part.get("image_url")
+                url = iu.get("url") if isinstance(iu, dict) else iu
+                images.append(decode_data_uri(url))
+                parts.append({"type": "image"})
+            else:
+                raise bad(
+                    f"'messages[{i}]' has an unsupported content part (use text or image_url)",
+                    "messages",
+                    code="unsupported_content",
+                )
+        out.append({"role": m["role"], "content": parts})
+    return out, images
+
+
+class StopScanner:
+    """Finds stop sequences in growing generated text and says how much is safe to show.
+
+    Text that might be the start of a stop sequence, or ends in an incomplete UTF-8
+    character (U+FFFD from a partial byte token), is held back until it is decided.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.sent = 0
+        self.stopped = False
+        self.final: str | None = None
+
+    def update(self, text: str) -> str:
+        """Feed the whole generated text so far; return the new piece safe to emit."""
+        if self.stopped:
+            return ""
+        cut = -1
+        for s in self.stops:
+            i = text.find(s)
+            if i != -1 and (cut == -1 or i < cut):
+                cut = i
+        if cut != -1:
+            self.stopped = True
+            self.final = text[:cut]
+            piece = text[self.sent : cut]
+            self.sent = max(self.sent, cut)
+            return piece
+        safe = len(text)
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, safe - self.sent), hold, -1):
+                if text[safe - k : safe] == s[:k]:
+                    hold = k
+                    break
+        safe -= hold
+        piece = text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return piece
+
+    def finish(self, text: str) -> str:
+        """The generation ended: emit whatever was held back (minus any stop sequence)."""
+        piece = self.update(text)
+        if self.stopped:
+            return piece
+        self.final = text
+        rest = text[self.sent :]
+        self.sent = len(text)
+        return piece + rest

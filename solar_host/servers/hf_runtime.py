@@ -1,0 +1,380 @@
+"""Model loading and the model work of hf_server (torch lives here, and only here).
+
+Every public method of an engine is blocking and runs in the server's single worker thread:
+the event loop never waits on torch. Batch methods take several requests at once and return
+one result or one `APIError` per request, so one bad input never fails its batch neighbours.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
+
+
+class LoadError(Exception):
+    """The model cannot be loaded; the message is what the operator reads in the log."""
+
+
+def pick_device(requested: str) -> str:
+    """auto: cuda > mps > cpu. An explicit device that is missing is an error, not a fallback."""
+    has_mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if has_mps else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise LoadError("CUDA requested but not available (device 'cuda' on a host without CUDA)")
+    if requested == "mps" and not has_mps:
+        raise LoadError("MPS requested but not available (device 'mps' on a host without MPS)")
+    if requested not in ("cuda", "mps", "cpu"):
+        raise LoadError(f"Unknown device {requested!r} (use auto, cuda, mps or cpu)")
+    return requested
+
+
+def pick_dtype(requested: str, device: str) -> torch.dtype:
+    """auto: float16 on cuda/mps, float32 on cpu."""
+    if requested == "auto":
+        return torch.float16 if device in ("cuda", "mps") else torch.float32
+    table = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if requested not in table:
+        raise LoadError(f"Unknown dtype {requested!r} (use auto, float16, bfloat16 or float32)")
+    return table[requested]
+
+
+def flash_attention_usable(device: str) -> bool:
+    return device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+@dataclass
+class LoadOptions:
+    model_id: str
+    model_type: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_length: int = 4096
+    trust_remote_code: bool = False
+    use_flash_attention: bool = False
+    labels: list[str] | None = None
+    normalize_embeddings: bool = False
+    max_batch_size: int = 32
+
+
+def _model_limit(model: Any, max_length: int) -> int:
+    """The usable context: max_length, capped by the model's position table when known."""
+    cfg = getattr(model, "config", None)
+    n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
+    return min(max_length, n) if isinstance(n, int) and n > 0 else max_length
+
+
+class TextEncoderBase:
+    """Shared tokenisation and padded batching for the embedding and classification engines."""
+
+    def __init__(self, model: Any, tokenizer: Any, device: str, opts: LoadOptions):
+        self.model = model
+        self.tok = tokenizer
+        self.device = device
+        self.limit = _model_limit(model, opts.max_length)
+        self.max_batch = opts.max_batch_size
+        pad = tokenizer.pad_token_id
+        self.pad_id = 0 if pad is None else int(pad)
+
+    def _encode(self, reqs: list[Any]) -> tuple[list[list[int]], list[int | APIError]]:
+        """Token ids of all texts; per request the index of its first text, or its error."""
+        texts = [t for r in reqs for t in r.texts]
+        enc = self.tok(texts, add_special_tokens=True, truncation=False)["input_ids"]
+        ids: list[list[int]] = []
+        starts: list[int | APIError] = []
+        pos = 0
+        for r in reqs:
+            chunk = enc[pos : pos + len(r.texts)]
+            pos += len(r.texts)
+            too_long = [i for i, x in enumerate(chunk) if len(x) > self.limit]
+            if too_long and not r.truncate:
+                i = too_long[0]
+                starts.append(
+                    APIError(
+                        400,
+                        f"input[{i}] has {len(chunk[i])} tokens, more than the maximum of "
+                        f'{self.limit}; shorten it or send "truncate": true',
+                        code="context_length_exceeded",
+                        param="input",
+                    )
+                )
+                continue
+            if too_long:
+                chunk = [x if len(x) <= self.limit else self._truncate(x) for x in chunk]
+            starts.append(len(ids))
+            ids.extend(chunk)
+        return ids, starts
+
+    def _truncate(self, ids: list[int]) -> list[int]:
+        # Keep the closing special token (e.g. [SEP]) when the tokenizer adds one.
+        sep = getattr(self.tok, "sep_token_id", None)
+        if sep is not None and ids and ids[-1] == sep:
+            return [*ids[: self.limit - 1], sep]
+        return ids[: self.limit]
+
+    def _forward_sorted(
+        self, ids: list[list[int]], run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> np.ndarray:
+        """Run `run(input_ids, mask)` over length-sorted chunks (little padding); original order."""
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        outs: list[np.ndarray] = [None] * len(ids)  # type: ignore[list-item]
+        for c in range(0, len(order), self.max_batch):
+            idx = order[c : c + self.max_batch]
+            width = max(len(ids[i]) for i in idx)
+            x = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            m = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                n = len(ids[i])
+                x[row, :n] = torch.tensor(ids[i], dtype=torch.long)
+                m[row, :n] = 1
+            with torch.inference_mode():
+                y = run(x.to(self.device), m.to(self.device)).float().cpu().numpy()
+            for row, i in enumerate(idx):
+                outs[i] = y[row]
+        return np.stack(outs) if outs else np.zeros((0, 0), dtype=np.float32)
+
+
+class EmbeddingEngine(TextEncoderBase):
+    def __init__(self, model: Any, tokenizer: Any, device: str, opts: LoadOptions):
+        super().__init__(model, tokenizer, device, opts)
+        self.normalize = opts.normalize_embeddings
+
+    def _pool(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=x, attention_mask=m).last_hidden_state
+        mask = m.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+    def embed_batch(self, reqs: list[Any]) -> list[tuple[np.ndarray, int] | APIError]:
+        """Per request: (float32 vectors [n, d], prompt tokens) or an error."""
+        ids, starts = self._encode(reqs)
+        vecs = self._forward_sorted(ids, self._pool) if ids else None
+        out: list[tuple[np.ndarray, int] | APIError] = []
+        for r, s in zip(reqs, starts, strict=True):
+            if isinstance(s, APIError):
+                out.append(s)
+                continue
+            v = vecs[s : s + len(r.texts)].astype(np.float32)  # type: ignore[index]
+            if r.dimensions is not None and r.dimensions < v.shape[1]:
+                v = v[:, : r.dimensions]
+            if self.normalize:
+                v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+            out.append((v, sum(len(ids[s + k]) for k in range(len(r.texts)))))
+        return out
+
+
+class ClassifierEngine(TextEncoderBase):
+    def __init__(self, model: Any, tokenizer: Any, device: str, opts: LoadOptions):
+        super().__init__(model, tokenizer, device, opts)
+        n = int(getattr(model.config, "num_labels", 0) or 0)
+        id2label = getattr(model.config, "id2label", None) or {}
+        from_cfg = [str(id2label.get(i, id2label.get(str(i), i))) for i in range(n)]
+        self.labels = list(opts.labels) if opts.labels else from_cfg
+
+    def label(self, i: int) -> str:
+        return self.labels[i] if i < len(self.labels) else str(i)
+
+    def _probs(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, attention_mask=m).logits.float().softmax(-1)
+
+    def classify_batch(self, reqs: list[Any]) -> list[tuple[np.ndarray, int] | APIError]:
+        ids, starts = self._encode(reqs)
+        probs = self._forward_sorted(ids, self._probs) if ids else None
+        out: list[tuple[np.ndarray, int] | APIError] = []
+        for r, s in zip(reqs, starts, strict=True):
+            if isinstance(s, APIError):
+                out.append(s)
+                continue
+            tokens = sum(len(ids[s + k]) for k in range(len(r.texts)))
+            out.append((probs[s : s + len(r.texts)], tokens))  # type: ignore[index]
+        return out
+
+
+@dataclass
+class GenResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class _Watch:
+    """A StoppingCriteria that decodes each new token, streams text and applies stop strings."""
+
+    def __init__(self, tok: Any, prompt_len: int, scanner: StopScanner, emit, cancel):
+        self.tok, self.prompt_len, self.scanner = tok, prompt_len, scanner
+        self.emit, self.cancel = emit, cancel
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
+        new = input_ids[0, self.prompt_len :].tolist()
+        piece = self.scanner.update(self.tok.decode(new, skip_special_tokens=True))
+        if piece and self.emit is not None:
+            self.emit(piece)
+        stop = self.scanner.stopped or self.cancel.is_set()
+        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+
+class CausalEngine:
+    def __init__(self, model: Any, tokenizer: Any, device: str, opts: LoadOptions):
+        self.model, self.tok, self.device = model, tokenizer, device
+        self.limit = _model_limit(model, opts.max_length)
+        self.has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        if self.has_template:
+            return self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + "\nassistant:"
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        # A chat template writes its own BOS; a raw completion prompt gets the tokenizer's.
+        ids = self.tok(prompt, add_special_tokens=not chat)["input_ids"]
+        if len(ids) >= self.limit:
+            raise APIError(
+                400,
+                f"The prompt has {len(ids)} tokens; this model's maximum context is "
+                f"{self.limit} tokens, so nothing can be generated",
+                code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+            )
+        return ids
+
+    def inputs_of(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return {"input_ids": x, "attention_mask": torch.ones_like(x)}
+
+    def generate(
+        self,
+        inputs: dict[str, Any],
+        params: GenParams,
+        emit: Callable[[str], None] | None,
+        cancel: threading.Event,
+    ) -> GenResult:
+        """Generate for one prompt; `emit` gets each new piece of text as soon as it is safe."""
+        from transformers import StoppingCriteriaList
+
+        n_prompt = int(inputs["input_ids"].shape[1])
+        room = self.limit - n_prompt
+        if room <= 0:
+            raise APIError(
+                400,
+                f"The prompt has {n_prompt} tokens; this model's maximum context is "
+                f"{self.limit} tokens",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        max_new = min(params.max_tokens or room, room)
+        scanner = StopScanner(params.stop)
+        kw: dict[str, Any] = {"do_sample": params.temperature > 0}
+        if kw["do_sample"]:
+            kw.update(temperature=params.temperature, top_p=params.top_p)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList(
+                    [_Watch(self.tok, n_prompt, scanner, emit, cancel)]
+                ),
+                **kw,
+            )
+        new = out[0, n_prompt:].tolist()
+        rest = scanner.finish(self.tok.decode(new, skip_special_tokens=True))
+        if rest and emit is not None:
+            emit(rest)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if scanner.stopped or (new and new[-1] in eos_ids) or len(new) < max_new:
+            reason = "stop"
+        else:
+            reason = "length"
+        return GenResult(scanner.final or "", n_prompt, len(new), reason)
+
+
+class VisionEngine(CausalEngine):
+    """Image+text chat through the model's processor. Images arrive as bytes (data: URIs)."""
+
+    def __init__(self, model: Any, processor: Any, device: str, opts: LoadOptions):
+        super().__init__(model, getattr(processor, "tokenizer", processor), device, opts)
+        self.processor = processor
+
+    def vision_inputs(self, messages: list[dict[str, Any]], images: list[bytes]) -> dict:
+        try:
+            from PIL import Image
+        except ImportError:
+            raise APIError(
+                500, "Pillow is not installed on this host", type_="server_error"
+            ) from None
+        pil = []
+        for raw in images:
+            try:
+                pil.append(Image.open(io.BytesIO(raw)).convert("RGB"))
+            except Exception as err:
+                raise APIError(
+                    400, f"Image could not be decoded: {err}", param="messages"
+                ) from None
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
+        return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
+
+
+def load_engine(opts: LoadOptions) -> tuple[Any, str]:
+    """Load tokenizer and model; returns (engine, device). Raises LoadError with a clear message."""
+    import transformers as tf
+
+    device = pick_device(opts.device)
+    dtype = pick_dtype(opts.dtype, device)
+    common: dict[str, Any] = {"trust_remote_code": opts.trust_remote_code}
+    try:
+        if opts.model_type in ("causal", "vision"):
+            kw: dict[str, Any] = {**common, "dtype": dtype}
+            if opts.use_flash_attention and flash_attention_usable(device):
+                kw["attn_implementation"] = "flash_attention_2"
+            if opts.model_type == "vision":
+                proc = tf.AutoProcessor.from_pretrained(opts.model_id, **common)
+                model = tf.AutoModelForImageTextToText.from_pretrained(opts.model_id, **kw)
+                engine: Any = VisionEngine(model.to(device).eval(), proc, device, opts)
+            else:
+                tok = tf.AutoTokenizer.from_pretrained(opts.model_id, **common)
+                if tok.pad_token is None:
+                    tok.pad_token = tok.eos_token
+                model = tf.AutoModelForCausalLM.from_pretrained(opts.model_id, **kw)
+                engine = CausalEngine(model.to(device).eval(), tok, device, opts)
+        else:
+            tok = tf.AutoTokenizer.from_pretrained(opts.model_id, **common)
+            if tok.pad_token is None and tok.eos_token is not None:
+                tok.pad_token = tok.eos_token
+            if opts.model_type == "classification":
+                model = tf.AutoModelForSequenceClassification.from_pretrained(
+                    opts.model_id, **common, dtype=dtype
+                )
+                engine = ClassifierEngine(model.to(device).eval(), tok, device, opts)
+            elif opts.model_type == "embedding":
+                model = tf.AutoModel.from_pretrained(opts.model_id, **common, dtype=dtype)
+                engine = EmbeddingEngine(model.to(device).eval(), tok, device, opts)
+            else:
+                raise LoadError(f"Unknown model type {opts.model_type!r}")
+    except LoadError:
+        raise
+    except Exception as err:  # transformers raises many types; the message is what matters
+        raise LoadError(
+            f"Cannot load model {opts.model_id!r}: {type(err).__name__}: {err}"
+        ) from err
+    return engine, device

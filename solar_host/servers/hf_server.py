@@ -1,0 +1,614 @@
+"""solar-host's own HuggingFace inference server, run as its own process by the host.
+
+    python -m solar_host.servers.hf_server --model-id DIR --model-type embedding --alias a \
+        --host 127.0.0.1 --port 8000 [--device auto] [--dtype auto] [--max-length 512] ...
+
+API keys come from the environment (SOLAR_HF_API_KEYS, comma-separated), never argv: argv is
+visible to every user of the machine. The model is loaded before the socket is opened, so
+uvicorn's "Uvicorn running on http://..." line means "ready". Each request logs
+`[REQUEST] id=.. endpoint=..` and `[COMPLETE] id=.. endpoint=.. prompt_tokens=N
+completion_tokens=M time_ms=T` (or `[ERROR] id=.. endpoint=.. status=S message=..`), which the
+host's log parser turns into runtime state and last-generation metrics.
+
+Too-long inputs: a chat/completion prompt at or over the context is a 400
+`context_length_exceeded` (as OpenAI does). Embedding and classification inputs over
+max_length tokens are a 400 too, unless the request sends `"truncate": true`, which truncates
+them to max_length tokens (keeping the closing special token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hmac
+import itertools
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from solar_host.servers.hf_batcher import DynamicBatcher
+from solar_host.servers.hf_protocol import (
+    APIError,
+    dumps,
+    parse_body,
+    parse_classify,
+    parse_embedding,
+    parse_gen_params,
+    parse_prompt,
+    text_messages,
+    vision_messages,
+)
+
+API_KEYS_ENV = "SOLAR_HF_API_KEYS"
+MODEL_TYPES = ("causal", "classification", "embedding", "vision")
+CAPABILITIES = {
+    "causal": ["completion"],
+    "classification": ["classification"],
+    "embedding": ["embedding"],
+    "vision": ["completion", "multimodal"],
+}
+JSON = "application/json"
+
+
+def log_line(text: str) -> None:
+    """One marker line on stdout, flushed at once (stdout is a file read by the host)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def keys_from_env(environ: dict[str, str] | os._Environ = os.environ) -> list[bytes]:
+    raw = environ.get(API_KEYS_ENV, "")
+    return [k.strip().encode() for k in raw.split(",") if k.strip()]
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type=JSON)
+
+
+def error_response(err: APIError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return Response(dumps(err.body()), status_code=err.status, media_type=JSON, headers=headers)
+
+
+class HFServer:
+    """The app's state: the engine, the worker thread, the batcher, counters and auth."""
+
+    def __init__(self, engine: Any, args: argparse.Namespace, device: str, keys: list[bytes]):
+        self.engine = engine
+        self.args = args
+        self.alias = args.alias
+        self.model_type = args.model_type
+        self.device = device
+        self.keys = keys
+        self.created = int(time.time())
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="hf-model")
+        self.gen_lock = asyncio.Lock()
+        self.batcher: DynamicBatcher | None = None
+        if args.model_type == "embedding":
+            self.batcher = DynamicBatcher(
+                engine.embed_batch, self.worker, args.max_batch_size, args.batch_window_ms / 1000
+            )
+        elif args.model_type == "classification":
+            self.batcher = DynamicBatcher(
+                engine.classify_batch, self.worker, args.max_batch_size, args.batch_window_ms / 1000
+            )
+        self._ids = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+        self.in_flight = 0
+        self.generating = 0
+        self.completed = 0
+        self.errors = 0
+
+    # ---- plumbing -------------------------------------------------------------------
+
+    def authorized(self, request: Request) -> bool:
+        if not self.keys:
+            return True
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        given = given or request.headers.get("x-api-key", "")
+        if not given:
+            return False
+        g = given.encode()
+        ok = False
+        for k in self.keys:  # compare with every key: time does not say which one matched
+            ok |= hmac.compare_digest(g, k)
+        return ok
+
+    def begin(self, endpoint: str) -> tuple[str, float]:
+        rid = f"{self._prefix}-{next(self._ids)}"
+        self.in_flight += 1
+        log_line(f"[REQUEST] id={rid} endpoint={endpoint}")
+        return rid, time.perf_counter()
+
+    def complete(self, rid: str, endpoint: str, t0: float, prompt: int, completion: int) -> None:
+        self.in_flight -= 1
+        self.completed += 1
+        ms = (time.perf_counter() - t0) * 1000
+        log_line(
+            f"[COMPLETE] id={rid} endpoint={endpoint} prompt_tokens={prompt} "
+            f"completion_tokens={completion} time_ms={ms:.1f}"
+        )
+
+    def fail(self, rid: str, endpoint: str, status: int, message: str) -> None:
+        self.in_flight -= 1
+        self.errors += 1
+        msg = message.replace("\n", " ")[:300]
+        log_line(f"[ERROR] id={rid} endpoint={endpoint} status={status} message={msg}")
+
+    def require(self, *types: str, what: str) -> None:
+        if self.model_type not in types:
+            raise APIError(
+                400,
+                f"{what} is not available for this {self.model_type} model "
+                f"(model '{self.alias}' serves {', '.join(self.endpoints())})",
+                code="unsupported_endpoint",
+            )
+
+    def endpoints(self) -> list[str]:
+        return {
+            "causal": ["/v1/chat/completions", "/v1/completions"],
+            "vision": ["/v1/chat/completions"],
+            "classification": ["/v1/classify"],
+            "embedding": ["/v1/embeddings"],
+        }[self.model_type]
+
+    async def run_endpoint(
+        self,
+        request: Request,
+        endpoint: str,
+        handler: Callable[[dict[str, Any], str, float], Awaitable[Response]],
+    ) -> Response:
+        """Auth, JSON parsing, [REQUEST]/[COMPLETE]/[ERROR] markers and error mapping."""
+        if not self.authorized(request):
+            return error_response(
+                APIError(
+                    401,
+                    "Invalid or missing API key",
+                    type_="authentication_error",
+                    code="invalid_api_key",
+                )
+            )
+        rid, t0 = self.begin(endpoint)
+        try:
+            body = parse_body(await request.body())
+            return await handler(body, rid, t0)
+        except APIError as err:
+            self.fail(rid, endpoint, err.status, err.message)
+            return error_response(err)
+        except Exception as err:
+            status = 503 if "out of memory" in str(err).lower() else 500
+            msg = f"{type(err).__name__}: {err}"
+            self.fail(rid, endpoint, status, msg)
+            return error_response(
+                APIError(status, msg, type_="server_error", code="internal_error")
+            )
+
+    # ---- embeddings and classification ----------------------------------------------------
+
+    async def embeddings(self, body: dict[str, Any], rid: str, t0: float) -> Response:
+        self.require("embedding", what="/v1/embeddings")
+        req = parse_embedding(body)
+        assert self.batcher is not None
+        vecs, tokens = await self.batcher.submit(req, len(req.texts))
+        if req.encoding_format == "base64":
+            items = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vecs]
+        else:
+            items = vecs.tolist()
+        data = [{"object": "embedding", "embedding": e, "index": i} for i, e in enumerate(items)]
+        self.complete(rid, "/v1/embeddings", t0, tokens, 0)
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": self.alias,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    async def classify(self, body: dict[str, Any], rid: str, t0: float) -> Response:
+        self.require("classification", what="/v1/classify")
+        req = parse_classify(body)
+        assert self.batcher is not None
+        probs, tokens = await self.batcher.submit(req, len(req.texts))
+        label = self.engine.label
+        choices = []
+        for i, row in enumerate(probs.tolist()):
+            best = max(range(len(row)), key=row.__getitem__)
+            all_scores = (
+                [{"label": label(j), "score": s} for j, s in enumerate(row)]
+                if req.return_all_scores
+                else None
+            )
+            choices.append(
+                {"index": i, "label": label(best), "score": row[best], "all_scores": all_scores}
+            )
+        self.complete(rid, "/v1/classify", t0, tokens, 0)
+        return json_response(
+            {
+                "id": f"clf-{secrets.token_hex(12)}",
+                "object": "classification",
+                "created": int(time.time()),
+                "model": self.alias,
+                "choices": choices,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
+    # ---- generation -----------------------------------------------------------------------
+
+    async def chat(self, body: dict[str, Any], rid: str, t0: float) -> Response:
+        self.require("causal", "vision", what="/v1/chat/completions")
+        params = parse_gen_params(body)
+        if self.model_type == "vision":
+            messages, images = vision_messages(body)
+            loop = asyncio.get_running_loop()
+            inputs = await loop.run_in_executor(
+                self.worker, self.engine.vision_inputs, messages, images
+            )
+        else:
+            prompt = self.engine.chat_prompt(text_messages(body))
+            inputs = self.engine.inputs_of(self.engine.prompt_ids(prompt, chat=True))
+        return await self._generate(inputs, params, rid, t0, "/v1/chat/completions", chat=True)
+
+    async def completions(self, body: dict[str, Any], rid: str, t0: float) -> Response:
+        self.require("causal", what="/v1/completions")
+        params = parse_gen_params(body)
+        ids = self.engine.prompt_ids(parse_prompt(body), chat=False)
+        inputs = self.engine.inputs_of(ids)
+        return await self._generate(inputs, params, rid, t0, "/v1/completions", chat=False)
+
+    async def _generate(
+        self, inputs: dict, params: Any, rid: str, t0: float, endpoint: str, chat: bool
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        oid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        if not params.stream:
+            async with self.gen_lock:
+                self.generating += 1
+                try:
+                    res = await loop.run_in_executor(
+                        self.worker, self.engine.generate, inputs, params, None, cancel
+                    )
+                finally:
+                    self.generating -= 1
+            self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
+            usage = _usage(res)
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": res.text},
+                    "finish_reason": res.finish_reason,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": res.text,
+                    "logprobs": None,
+                    "finish_reason": res.finish_reason,
+                }
+            return json_response(
+                {
+                    "id": oid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": created,
+                    "model": self.alias,
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
+        return StreamingResponse(
+            self._stream(inputs, params, rid, t0, endpoint, chat, oid, created, cancel),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _stream(
+        self,
+        inputs: dict,
+        params: Any,
+        rid: str,
+        t0: float,
+        endpoint: str,
+        chat: bool,
+        oid: str,
+        created: int,
+        cancel: threading.Event,
+    ) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        extra = {"usage": None} if params.include_usage else {}
+
+        def chunk(piece: str | None, finish: str | None) -> bytes:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": piece or "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            body = {"id": oid, "object": obj, "created": created, "model": self.alias}
+            body["choices"] = [choice]
+            return b"data: " + dumps({**body, **extra}) + b"\n\n"
+
+        def emit(piece: str) -> None:  # called in the worker thread
+            loop.call_soon_threadsafe(q.put_nowait, piece)
+
+        done = False
+        try:
+            async with self.gen_lock:
+                self.generating += 1
+                try:
+                    if chat:
+                        first = {"role": "assistant", "content": ""}
+                        head = {"id": oid, "object": obj, "created": created, "model": self.alias}
+                        head["choices"] = [{"index": 0, "delta": first, "finish_reason": None}]
+                        yield b"data: " + dumps({**head, **extra}) + b"\n\n"
+                    fut = loop.run_in_executor(
+                        self.worker, self.engine.generate, inputs, params, emit, cancel
+                    )
+                    fut.add_done_callback(lambda _f: q.put_nowait(None))
+                    while True:
+                        piece = await q.get()
+                        if piece is None:
+                            break
+                        yield chunk(piece, None)
+                    res = await fut
+                finally:
+                    self.generating -= 1
+            yield chunk(None, res.finish_reason)
+            if params.include_usage:
+                tail = {"id": oid, "object": obj, "created": created, "model": self.alias}
+                tail.update(choices=[], usage=_usage(res))
+                yield b"data: " + dumps(tail) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            done = True
+            self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
+        except APIError as err:
+            done = True
+            self.fail(rid, endpoint, err.status, err.message)
+            yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
+        except Exception as err:
+            done = True
+            self.fail(rid, endpoint, 500, f"{type(err).__name__}: {err}")
+            body = APIError(500, str(err), type_="server_error", code="internal_error").body()
+            yield b"data: " + dumps(body) + b"\n\ndata: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away mid-stream
+                cancel.set()
+                self.fail(rid, endpoint, 499, "client disconnected")
+
+    # ---- plain routes ---------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "healthy",
+            "model": self.alias,
+            "model_type": self.model_type,
+            "device": self.device,
+        }
+
+    def models(self) -> dict[str, Any]:
+        caps = CAPABILITIES[self.model_type]
+        ollama = {
+            "name": self.alias,
+            "model": self.alias,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": caps,
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "huggingface",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }
+        openai = {
+            "id": self.alias,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "huggingface",
+            "capabilities": caps,
+        }
+        return {"models": [ollama], "object": "list", "data": [openai]}
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "model": self.alias,
+            "model_type": self.model_type,
+            "in_flight": self.in_flight,
+            "generating": self.generating,
+            "completed": self.completed,
+            "errors": self.errors,
+            "batching": self.batcher.stats() if self.batcher else None,
+        }
+
+
+def _usage(res: Any) -> dict[str, Any]:
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": res.completion_tokens,
+        "total_tokens": res.prompt_tokens + res.completion_tokens,
+    }
+
+
+def build_app(srv: HFServer) -> Starlette:
+    unauthorized = APIError(
+        401, "Invalid or missing API key", type_="authentication_error", code="invalid_api_key"
+    )
+
+    async def health(request: Request) -> Response:
+        return json_response(srv.health())
+
+    async def models(request: Request) -> Response:
+        if not srv.authorized(request):
+            return error_response(unauthorized)
+        return json_response(srv.models())
+
+    async def stats(request: Request) -> Response:
+        if not srv.authorized(request):
+            return error_response(unauthorized)
+        return json_response(srv.stats())
+
+    def post(endpoint: str, handler: Callable) -> Route:
+        async def route(request: Request) -> Response:
+            return await srv.run_endpoint(request, endpoint, handler)
+
+        return Route(endpoint, route, methods=["POST"])
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, msg, code=code))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if srv.batcher is not None:
+            srv.batcher.start()
+        yield
+        if srv.batcher is not None:
+            await srv.batcher.stop()
+        srv.worker.shutdown(wait=False, cancel_futures=True)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/stats", stats, methods=["GET"]),
+        post("/v1/chat/completions", srv.chat),
+        post("/v1/completions", srv.completions),
+        post("/v1/classify", srv.classify),
+        post("/v1/embeddings", srv.embeddings),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hf_server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-id", required=True)
+    p.add_argument("--model-type", required=True, choices=MODEL_TYPES)
+    p.add_argument("--alias", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--use-flash-attention", action="store_true")
+    p.add_argument("--labels-json", default=None, help='JSON list of labels, e.g. ["neg","pos"]')
+    p.add_argument("--normalize-embeddings", action="store_true")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--batch-window-ms", type=float, default=2.0)
+    args = p.parse_args(argv)
+    if args.labels_json is not None:
+        try:
+            labels = json.loads(args.labels_json)
+        except ValueError as err:
+            p.error(f"--labels-json is not valid JSON: {err}")
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            p.error("--labels-json must be a JSON list of strings")
+        args.labels = labels or None
+    else:
+        args.labels = None
+    if args.max_length < 1 or args.max_batch_size < 1 or args.batch_window_ms < 0:
+        p.error("--max-length and --max-batch-size must be >= 1, --batch-window-ms >= 0")
+    return args
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's messages on stdout, next to our markers (one file for the host to read)."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s: %(message)s"}},
+        "handlers": {
+            "out": {
+                "class": "logging.StreamHandler",
+                "formatter": "plain",
+                "stream": "ext://sys.stdout",
+            }
+        },
+        "loggers": {
+            "uvicorn": {"handlers": ["out"], "level": "INFO", "propagate": False},
+            "uvicorn.error": {"level": "INFO"},
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    keys = keys_from_env()
+    log_line(f"Loading {args.model_type} model {args.model_id} as '{args.alias}'")
+    from solar_host.servers.hf_runtime import LoadError, LoadOptions, load_engine
+
+    opts = LoadOptions(
+        model_id=args.model_id,
+        model_type=args.model_type,
+        device=args.device,
+        dtype=args.dtype,
+        max_length=args.max_length,
+        trust_remote_code=args.trust_remote_code,
+        use_flash_attention=args.use_flash_attention,
+        labels=args.labels,
+        normalize_embeddings=args.normalize_embeddings,
+        max_batch_size=args.max_batch_size,
+    )
+    t0 = time.perf_counter()
+    try:
+        engine, device = load_engine(opts)
+    except LoadError as err:
+        print(f"[FATAL] Model load failed: {err}", file=sys.stderr, flush=True)
+        return 1
+    log_line(f"Model loaded on {device} in {time.perf_counter() - t0:.2f} s")
+
+    import uvicorn
+
+    srv = HFServer(engine, args, device, keys)
+    config = uvicorn.Config(
+        build_app(srv),
+        host=args.host,
+        port=args.port,
+        log_config=_log_config(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        print("[FATAL] HTTP server did not start (see the error above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
