@@ -1,0 +1,1 @@
+"""Containerised multi-step jobs (JobService in service.py)."""

@@ -1,0 +1,231 @@
+"""A thin synchronous layer over the `docker` SDK for job containers.
+
+Every method blocks (HTTP to the daemon), so the async code calls them through a thread. Errors
+are turned into a few exception types the executor understands. Containers are labelled with
+the job id and the JOBS_DIR of the host that made them, so a host removes only its own leftovers
+(several hosts, or test sessions, may share one daemon).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import docker.types
+import docker.utils
+
+from solar_host.jobs.schemas import GpuRequest
+
+log = logging.getLogger(__name__)
+
+LABEL_JOB = "solar-host.job"
+LABEL_STEP = "solar-host.step"
+LABEL_JOBS_DIR = "solar-host.jobs-dir"
+API_TIMEOUT_S = 30
+
+
+class DaemonUnavailableError(RuntimeError):
+    """No Docker daemon answers."""
+
+
+class ContainerStartError(RuntimeError):
+    """The step's container could not be created or started."""
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    image: str
+    command: list[str] | str | None
+    environment: dict[str, str]
+    binds: dict[str, dict[str, str]]
+    name: str
+    labels: dict[str, str]
+    user: str
+    network_mode: str
+    gpu: GpuRequest | None
+
+
+def device_requests(gpu: GpuRequest | None) -> list[docker.types.DeviceRequest] | None:
+    if gpu is None:
+        return None
+    if gpu.device_ids is not None:
+        return [docker.types.DeviceRequest(device_ids=list(gpu.device_ids), capabilities=[["gpu"]])]
+    return [docker.types.DeviceRequest(count=gpu.count, capabilities=[["gpu"]])]
+
+
+class DockerJobs:
+    """One client connection to the daemon named by DOCKER_HOST (or the default socket)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    @classmethod
+    def connect(cls, timeout: float = API_TIMEOUT_S) -> DockerJobs:
+        """Connect and ping; raises DaemonUnavailableError."""
+        try:
+            client = docker.from_env(timeout=timeout, max_pool_size=32)
+            client.ping()
+        except Exception as err:  # DockerException, requests errors, bad DOCKER_HOST
+            raise DaemonUnavailableError(f"Docker daemon unavailable: {err}") from err
+        return cls(client)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client.ping())
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+    # --- containers ------------------------------------------------------------------------
+
+    def create(self, spec: ContainerSpec) -> str:
+        """Create the container (not started). Replaces a leftover of ours with the same name."""
+        kwargs: dict[str, Any] = {
+            "command": spec.command,
+            "environment": spec.environment,
+            "volumes": spec.binds,
+            "name": spec.name,
+            "labels": spec.labels,
+            "user": spec.user,
+            "network_mode": spec.network_mode,
+            "privileged": False,
+            # docker-init (tini) as PID 1 forwards SIGTERM: stop takes milliseconds, not the
+            # whole grace period (sh or sleep as PID 1 ignore SIGTERM).
+            "init": True,
+            "device_requests": device_requests(spec.gpu),
+            "detach": True,
+        }
+        pulled = renamed = False
+        while True:
+            try:
+                return self.client.containers.create(spec.image, **kwargs).id
+            except docker.errors.ImageNotFound as err:
+                if pulled:
+                    raise ContainerStartError(f"image {spec.image!r} not found") from err
+                self.pull(spec.image)
+                pulled = True
+            except docker.errors.APIError as err:
+                if not renamed and err.status_code == 409 and self._remove_ours(spec):
+                    renamed = True
+                    continue
+                raise ContainerStartError(f"cannot create the container: {_explain(err)}") from err
+            except Exception as err:
+                raise ContainerStartError(f"cannot create the container: {err}") from err
+
+    def pull(self, image: str) -> None:
+        repo, tag = docker.utils.parse_repository_tag(image)
+        try:
+            self.client.images.pull(repo, tag=tag or "latest")
+        except Exception as err:
+            raise ContainerStartError(
+                f"image {image!r} not found on this host and pull failed: {_explain(err)}"
+            ) from err
+
+    def _remove_ours(self, spec: ContainerSpec) -> bool:
+        """Remove a container with the spec's name if the same host made it."""
+        try:
+            old = self.client.containers.get(spec.name)
+        except Exception:
+            return False
+        if old.labels.get(LABEL_JOBS_DIR) != spec.labels.get(LABEL_JOBS_DIR):
+            return False
+        self.remove(old.id)
+        return True
+
+    def attach(self, container_id: str) -> Iterator[tuple[bytes | None, bytes | None]]:
+        """The demultiplexed output stream; attach BEFORE start so no output is missed."""
+        try:
+            return self.client.api.attach(
+                container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True
+            )
+        except Exception as err:
+            raise ContainerStartError(f"cannot attach to the container: {_explain(err)}") from err
+
+    def start(self, container_id: str) -> None:
+        try:
+            self.client.api.start(container_id)
+        except Exception as err:
+            raise ContainerStartError(f"cannot start the container: {_explain(err)}") from err
+
+    def wait(self, container_id: str) -> int:
+        """Block until the container exits; its exit code (-1 when Docker gives none)."""
+        result = self.client.api.wait(container_id, timeout=None)
+        code = result.get("StatusCode") if isinstance(result, dict) else None
+        return int(code) if code is not None else -1
+
+    def stop(self, container_id: str, timeout: int = 10) -> None:
+        try:
+            self.client.api.stop(container_id, timeout=timeout)
+        except docker.errors.NotFound:
+            pass
+        except Exception as err:
+            log.warning("cannot stop container %s: %s", container_id[:12], _explain(err))
+
+    def remove(self, container_id: str) -> None:
+        try:
+            self.client.api.remove_container(container_id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except Exception as err:
+            log.warning("cannot remove container %s: %s", container_id[:12], _explain(err))
+
+    def remove_leftovers(self, jobs_dir: Path, keep: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+        """Remove containers of this JOBS_DIR whose job is not in `keep`. Returns the count."""
+        try:
+            found = self.client.containers.list(
+                all=True, filters={"label": f"{LABEL_JOBS_DIR}={Path(jobs_dir).absolute()}"}
+            )
+        except Exception as err:
+            log.warning("cannot list leftover job containers: %s", _explain(err))
+            return 0
+        n = 0
+        for ct in found:
+            if ct.labels.get(LABEL_JOB) in keep:
+                continue
+            log.info("removing leftover job container %s (%s)", ct.name, ct.labels.get(LABEL_JOB))
+            self.remove(ct.id)
+            n += 1
+        return n
+
+    def root_pid(self, container_id: str) -> int | None:
+        try:
+            pid = self.client.api.inspect_container(container_id)["State"]["Pid"]
+        except Exception:
+            return None
+        return int(pid) if pid else None
+
+    def memory_bytes(self, container_id: str) -> int | None:
+        """Working-set memory (usage minus page cache, as `docker stats` shows)."""
+        try:
+            stats = self.client.api.stats(container_id, stream=False, one_shot=True)
+        except Exception:
+            return None
+        mem = stats.get("memory_stats") or {}
+        usage = mem.get("usage")
+        if usage is None:
+            return None
+        inner = mem.get("stats") or {}
+        cache = inner.get("inactive_file", inner.get("total_inactive_file", inner.get("cache", 0)))
+        return max(int(usage) - int(cache or 0), 0)
+
+    def stderr_tail(self, container_id: str, lines: int = 20) -> list[str]:
+        try:
+            raw = self.client.api.logs(container_id, stdout=False, stderr=True, tail=lines)
+        except Exception:
+            return []
+        return raw.decode("utf-8", "replace").splitlines()[-lines:]
+
+
+def _explain(err: Exception) -> str:
+    if isinstance(err, docker.errors.APIError):
+        return str(err.explanation or err)
+    return str(err)

@@ -1,0 +1,268 @@
+"""Job and step models: what control submits (definitions) and what the host reports (states).
+
+Definitions are validated strictly at submit so a bad job is a 400 that changes nothing, rather
+than a step that fails minutes later: ids and step names are slugs (they become paths and
+container names), steps are unique and non-empty, and every GPU form either side uses is
+normalised to one `GpuRequest` (ruling 13).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from solar_host.events import utc_now
+
+SLUG_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_SLUG_LEN = 128
+# Names that would collide with the host's own files in JOBS_DIR.
+RESERVED_JOB_IDS = frozenset({"jobs_store.json"})
+
+
+def validate_slug(value: str, what: str) -> str:
+    """A name usable as a path component and inside a container name; raises ValueError."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string")
+    if len(value) > MAX_SLUG_LEN:
+        raise ValueError(f"{what} is longer than {MAX_SLUG_LEN} characters")
+    if "/" in value:
+        raise ValueError(f"{what} must not contain '/'")
+    if ".." in value:
+        raise ValueError(f"{what} must not contain '..'")
+    if value.startswith("."):
+        raise ValueError(f"{what} must not start with '.'")
+    if not SLUG_RE.match(value):
+        raise ValueError(f"{what} may contain only letters, digits, '.', '_' and '-'")
+    return value
+
+
+class JobStatus(StrEnum):
+    pending = "pending"
+    running = "running"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+StepStatus = JobStatus
+TERMINAL = frozenset({JobStatus.completed, JobStatus.failed, JobStatus.cancelled})
+
+
+class GpuRequest(BaseModel):
+    """Normalised GPU request: `device_ids` wins over `count`; count -1 means all GPUs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int | None = None
+    device_ids: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_required(self) -> GpuRequest:
+        if self.device_ids is not None:
+            if not self.device_ids:
+                raise ValueError("gpu.device_ids must not be empty")
+            if any(not isinstance(d, str) or not d.strip() for d in self.device_ids):
+                raise ValueError("gpu.device_ids must be non-empty strings")
+        elif self.count is None:
+            raise ValueError("gpu options require count or device_ids")
+        elif self.count < -1 or self.count == 0:
+            raise ValueError("gpu.count must be a positive number, or -1 for all GPUs")
+        return self
+
+    @property
+    def all(self) -> bool:
+        return self.device_ids is None and self.count == -1
+
+
+def normalise_gpu(value: Any) -> GpuRequest | None:
+    """Every accepted GPU form -> GpuRequest (None: no GPU). Raises ValueError for the rest."""
+    if value is None or value is False:
+        return None
+    if value is True:  # legacy boolean: all GPUs
+        return GpuRequest(count=-1)
+    if isinstance(value, int):
+        if value == 0:
+            return None
+        return GpuRequest(count=value)
+    if isinstance(value, str):  # one id, e.g. "0" or a UUID
+        return GpuRequest(device_ids=[value])
+    if isinstance(value, list):
+        return GpuRequest(device_ids=[str(v) if isinstance(v, int) else v for v in value])
+    if isinstance(value, dict):
+        if not value:
+            raise ValueError("gpu: {} is not a GPU request; give count or device_ids")
+        data = dict(value)
+        ids = data.get("device_ids")
+        if isinstance(ids, list):
+            data["device_ids"] = [str(v) if isinstance(v, int) else v for v in ids]
+        return GpuRequest.model_validate(data)
+    raise ValueError("gpu must be {count}, {device_ids}, an int, a list of ids or true")
+
+
+class StepDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    image: str = Field(min_length=1)
+    command: list[str] | str | None = None
+    environment: dict[str, str] = Field(default_factory=dict)
+    gpu: GpuRequest | None = None
+    is_preparation_step: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return validate_slug(v, "step name")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError("image must be a non-empty image reference without spaces")
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | str | None) -> list[str] | str | None:
+        if v is not None and not v:
+            raise ValueError("command must not be empty (omit it to use the image's default)")
+        return v
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for key, val in v.items():
+            if not isinstance(key, str) or not ENV_NAME_RE.match(key):
+                raise ValueError(f"environment name {key!r} is not a valid variable name")
+            if isinstance(val, bool):
+                val = "true" if val else "false"
+            elif isinstance(val, int | float):
+                val = str(val)
+            out[key] = val
+        return out
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _gpu(cls, v: Any) -> GpuRequest | None:
+        return normalise_gpu(v)
+
+
+class JobDefinition(BaseModel):
+    """The POST /jobs body (control-contract 2.6); unknown keys are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    job_id: str
+    name: str | None = None
+    steps: list[StepDefinition] = Field(min_length=1)
+    retention_hours: float = Field(default=24.0, ge=0)
+    min_free_disk_gb: float | None = Field(default=None, ge=0)
+    base_model_uri: str | None = None
+    training_data_uri: str | None = None
+    training_config: dict[str, Any] | None = None
+    model_selection: dict[str, Any] | None = None
+    deployment: dict[str, Any] | None = None
+    submission_id: str | None = None
+    correlation_id: str | None = None
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, v: str) -> str:
+        validate_slug(v, "job_id")
+        if v in RESERVED_JOB_IDS:
+            raise ValueError(f"job_id {v!r} is reserved")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_steps(self) -> JobDefinition:
+        seen: set[str] = set()
+        for step in self.steps:
+            if step.name in seen:
+                raise ValueError(f"step name {step.name!r} is used twice")
+            seen.add(step.name)
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.job_id
+
+
+class StepLogMessage(BaseModel):
+    seq: int
+    timestamp: str
+    stream: str
+    line: str
+    completed: bool = False
+    exit_code: int | None = None
+
+
+class StepState(BaseModel):
+    name: str
+    status: StepStatus = StepStatus.pending
+    container_id: str | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    duration_s: float | None = None
+    exit_code: int | None = None
+    error_message: str | None = None
+
+
+class JobState(BaseModel):
+    """What the store keeps (and persists) about one job."""
+
+    job_id: str
+    name: str
+    status: JobStatus = JobStatus.pending
+    steps: list[StepState] = Field(default_factory=list)
+    current_step_index: int = -1
+    workspace_path: str = ""
+    created_at: datetime = Field(default_factory=utc_now)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    retention_hours: float = 24.0
+    error_message: str | None = None
+    submission_id: str | None = None
+    correlation_id: str | None = None
+    # The definition is kept so a job can be inspected (and re-run by hand) after a restart.
+    definition: JobDefinition | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+class StepStateResponse(StepState):
+    log_file: str
+    recent_logs: list[StepLogMessage] = Field(default_factory=list)
+
+
+class JobStateResponse(BaseModel):
+    job_id: str
+    name: str
+    status: JobStatus
+    steps: list[StepStateResponse]
+    current_step_index: int
+    workspace_path: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    retention_hours: float
+    error_message: str | None
+    submission_id: str | None
+    correlation_id: str | None
+
+
+class JobSubmitted(BaseModel):
+    job_id: str
+    status: JobStatus
+    workspace_path: str
+    submission_id: str | None
+    correlation_id: str | None

@@ -1,0 +1,188 @@
+"""Step logs: Docker output -> lines -> durable file, bounded buffer, StepLog events.
+
+Two halves, one per thread:
+* `pump_container_output` runs in a worker thread: it reads Docker's blocking stream, splits
+  each stream into LINES (a partial trailing line waits for its newline or the end), writes
+  them to `logs/<step>.log` (the authoritative record) and hands every batch of lines to the
+  event loop with `call_soon_threadsafe`.
+* `StepLogBuffer` lives on the event-loop thread: it numbers lines per step (seq from 0), keeps
+  the last N per step and publishes `events.StepLog`. Because batches and the completion marker
+  both go through the loop's FIFO, the marker is always the step's last entry.
+
+The buffers outlive the job (GET /jobs/{id} shows recent_logs of a finished job); they are
+dropped when the job is forgotten (cancel, retention).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from solar_host.events import EventBus, StepLog, iso_now
+
+log = logging.getLogger(__name__)
+
+RECENT_LOGS = 100
+# A line longer than this is cut into pieces, so one endless line cannot exhaust memory.
+MAX_LINE_CHARS = 64 * 1024
+
+
+class LineSplitter:
+    """Decode a byte stream incrementally and return the complete lines of each chunk."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+
+    def feed(self, data: bytes) -> list[str]:
+        text = self._partial + self._decoder.decode(data)
+        parts = text.split("\n")
+        self._partial = parts.pop()
+        lines = [p[:-1] if p.endswith("\r") else p for p in parts]
+        while len(self._partial) > MAX_LINE_CHARS:
+            lines.append(self._partial[:MAX_LINE_CHARS])
+            self._partial = self._partial[MAX_LINE_CHARS:]
+        return lines
+
+    def flush(self) -> list[str]:
+        """The held partial line at end of stream (if any)."""
+        rest = self._partial + self._decoder.decode(b"", final=True)
+        self._partial = ""
+        return [rest.rstrip("\r")] if rest else []
+
+
+class StepLogBuffer:
+    """Per-step bounded history and seq counters. Use from the event-loop thread only."""
+
+    def __init__(self, bus: EventBus, maxlen: int) -> None:
+        self.bus = bus
+        self.maxlen = maxlen
+        self._entries: dict[tuple[str, str], deque[dict[str, Any]]] = {}
+        self._seq: dict[tuple[str, str], int] = {}
+
+    def _next_seq(self, key: tuple[str, str]) -> int:
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        return seq
+
+    def _deque(self, key: tuple[str, str]) -> deque[dict[str, Any]]:
+        d = self._entries.get(key)
+        if d is None:
+            d = self._entries[key] = deque(maxlen=self.maxlen)
+        return d
+
+    def add_lines(
+        self, job_id: str, step_name: str, step_index: int, stream: str, lines: Iterable[str]
+    ) -> None:
+        key = (job_id, step_name)
+        buf = self._deque(key)
+        timestamp = iso_now()
+        for line in lines:
+            entry = {
+                "job_id": job_id,
+                "step_name": step_name,
+                "step_index": step_index,
+                "stream": stream,
+                "seq": self._next_seq(key),
+                "timestamp": timestamp,
+                "line": line,
+            }
+            buf.append(entry)
+            self.bus.publish(StepLog(entry))
+
+    def mark_completed(
+        self, job_id: str, step_name: str, step_index: int, exit_code: int | None
+    ) -> None:
+        key = (job_id, step_name)
+        entry = {
+            "job_id": job_id,
+            "step_name": step_name,
+            "step_index": step_index,
+            "stream": "stdout",
+            "seq": self._next_seq(key),
+            "timestamp": iso_now(),
+            "line": "",
+            "completed": True,
+            "exit_code": exit_code,
+        }
+        self._deque(key).append(entry)
+        self.bus.publish(StepLog(entry))
+
+    def recent(self, job_id: str, step_name: str, limit: int = RECENT_LOGS) -> list[dict[str, Any]]:
+        d = self._entries.get((job_id, step_name))
+        if not d:
+            return []
+        return list(d)[-limit:]
+
+    def remove(self, job_id: str) -> None:
+        for key in [k for k in self._entries if k[0] == job_id]:
+            self._entries.pop(key, None)
+            self._seq.pop(key, None)
+
+
+def pump_container_output(
+    stream: Iterable[tuple[bytes | None, bytes | None]],
+    log_path: Path,
+    deliver: Callable[[str, list[str]], None],
+) -> None:
+    """Read a demuxed Docker stream to its end (blocking; run in a worker thread).
+
+    `deliver(stream_name, lines)` is called from this thread: it must hop to the loop itself.
+    Errors of the stream end the pump quietly (the container's exit code tells the outcome).
+    """
+    splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+    try:
+        log_file: BinaryIO | None = open(log_path, "ab")
+    except OSError as err:
+        log.warning("cannot open step log %s: %s", log_path, err)
+        log_file = None
+
+    def emit(name: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        if log_file is not None:
+            try:
+                log_file.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
+                log_file.flush()
+            except OSError as err:
+                log.warning("cannot write step log %s: %s", log_path, err)
+        deliver(name, lines)
+
+    try:
+        for out, err in stream:
+            if out:
+                emit("stdout", splitters["stdout"].feed(out))
+            if err:
+                emit("stderr", splitters["stderr"].feed(err))
+    except Exception as exc:  # the connection closed under us (cancel, daemon restart)
+        log.debug("step log stream ended: %s", exc)
+    finally:
+        for name, splitter in splitters.items():
+            emit(name, splitter.flush())
+        if log_file is not None:
+            log_file.close()
+
+
+def loop_deliverer(
+    loop: asyncio.AbstractEventLoop,
+    buffer: StepLogBuffer,
+    job_id: str,
+    step_name: str,
+    step_index: int,
+) -> Callable[[str, list[str]], None]:
+    """A `deliver` callback that hands lines to `buffer` on the loop's thread."""
+
+    def deliver(stream_name: str, lines: list[str]) -> None:
+        try:
+            loop.call_soon_threadsafe(
+                buffer.add_lines, job_id, step_name, step_index, stream_name, lines
+            )
+        except RuntimeError:  # the loop is closed (host shutting down): the file has them
+            pass
+
+    return deliver

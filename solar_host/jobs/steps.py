@@ -1,0 +1,330 @@
+"""Running one step: container spec, environment, and the container's life from create to remove.
+
+All store changes happen here on the loop thread, each followed at once by its lifecycle event,
+so a consumer that sees `step_completed` and asks GET /jobs/{id} finds the step completed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from solar_host.events import EventBus, JobLifecycle, utc_now
+from solar_host.jobs.docker import (
+    LABEL_JOB,
+    LABEL_JOBS_DIR,
+    LABEL_STEP,
+    ContainerSpec,
+    ContainerStartError,
+    DockerJobs,
+)
+from solar_host.jobs.schemas import GpuRequest, JobDefinition, StepDefinition, StepStatus
+from solar_host.jobs.step_logs import StepLogBuffer, loop_deliverer, pump_container_output
+from solar_host.jobs.store import JobStore
+from solar_host.jobs.workspace import step_log_path, workspace_path
+from solar_host.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["completed", "failed", "cancelled"]
+T = TypeVar("T")
+
+WORKSPACE = "/workspace"
+HF_HOME_IN_CONTAINER = "/workspace/.cache/huggingface"
+STDERR_SUMMARY_LINES = 20
+LOG_DRAIN_TIMEOUT_S = 5.0
+STOP_GRACE_S = 10
+
+
+@dataclass
+class JobRun:
+    """Mutable run-time state of one running job (owned by the service, read by the step)."""
+
+    job_id: str
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    shutdown: bool = False
+    active_container: str | None = None
+    task: asyncio.Task[None] | None = None
+
+
+def run_in_thread(fn: Callable[..., T], *args: Any, name: str = "job-io") -> asyncio.Future[T]:
+    """Run a long blocking call in its own daemon thread (the shared executor stays free)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def target() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as err:
+            result, exc = None, err
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return fut
+
+
+def default_hf_cache(settings: Settings) -> Path:
+    if settings.hf_cache_dir is not None:
+        return Path(settings.hf_cache_dir)
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"])
+    return Path.home() / ".cache" / "huggingface"
+
+
+def nvidia_visible_devices(gpu: GpuRequest) -> str:
+    """The devices Docker will give the container, in NVIDIA_VISIBLE_DEVICES form.
+
+    Matches the DeviceRequest (Docker picks the first N indices for a count), so the variable
+    never widens what the request grants.
+    """
+    if gpu.device_ids is not None:
+        return ",".join(gpu.device_ids)
+    if gpu.count is None or gpu.count < 0:
+        return "all"
+    return ",".join(str(i) for i in range(gpu.count))
+
+
+def step_environment(
+    settings: Settings, job: JobDefinition, step: StepDefinition, index: int
+) -> dict[str, str]:
+    env = {
+        "JOB_ID": job.job_id,
+        "WORKSPACE_MODELS": f"{WORKSPACE}/models",
+        "WORKSPACE_DATA": f"{WORKSPACE}/data",
+        "WORKSPACE_OUTPUT": f"{WORKSPACE}/output",
+        "WORKSPACE_CONFIG": f"{WORKSPACE}/config",
+        "JOB_CONFIG": f"{WORKSPACE}/config/job.json",
+        "STEP_NAME": step.name,
+        "STEP_INDEX": str(index),
+        "HF_HOME": HF_HOME_IN_CONTAINER,
+    }
+    if settings.job_inject_secrets:  # ruling 14: control's job images expect them
+        env.update(
+            {
+                "HARBOR_URL": settings.harbor_url,
+                "HARBOR_USERNAME": settings.harbor_username,
+                "HARBOR_PASSWORD": settings.harbor_password,
+                "HF_TOKEN": settings.hf_token,
+            }
+        )
+    if step.gpu is not None:
+        env["NVIDIA_VISIBLE_DEVICES"] = nvidia_visible_devices(step.gpu)
+        env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
+    env.update(step.environment)
+    return env
+
+
+def container_spec(
+    settings: Settings, job: JobDefinition, step: StepDefinition, index: int
+) -> ContainerSpec:
+    root = workspace_path(settings.jobs_dir, job.job_id)
+    inputs = "rw" if step.is_preparation_step else "ro"
+    binds = {
+        str(root / "models"): {"bind": f"{WORKSPACE}/models", "mode": inputs},
+        str(root / "data"): {"bind": f"{WORKSPACE}/data", "mode": inputs},
+        str(root / "output"): {"bind": f"{WORKSPACE}/output", "mode": "rw"},
+        str(root / "config"): {"bind": f"{WORKSPACE}/config", "mode": "rw"},
+        str(default_hf_cache(settings).absolute()): {"bind": HF_HOME_IN_CONTAINER, "mode": "rw"},
+    }
+    return ContainerSpec(
+        image=step.image,
+        command=step.command,
+        environment=step_environment(settings, job, step, index),
+        binds=binds,
+        name=f"solar-job-{job.job_id}-{step.name}",
+        labels={
+            LABEL_JOB: job.job_id,
+            LABEL_STEP: step.name,
+            LABEL_JOBS_DIR: str(Path(settings.jobs_dir).absolute()),
+        },
+        user=f"{settings.container_uid}:{settings.container_gid}",
+        network_mode=settings.job_network_mode,
+        gpu=step.gpu,
+    )
+
+
+def _iso(dt: Any) -> str:
+    return dt.isoformat()
+
+
+class StepRunner:
+    """Runs the steps of jobs; one instance per service."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        store: JobStore,
+        buffer: StepLogBuffer,
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.store = store
+        self.buffer = buffer
+
+    def _publish(self, name: str, payload: dict[str, Any]) -> None:
+        self.bus.publish(JobLifecycle(name, payload))
+
+    def _step_payload(
+        self, job_id: str, step: str, index: int, status: str, ts: Any
+    ) -> dict[str, Any]:
+        return {
+            "job_id": job_id,
+            "step_name": step,
+            "step_index": index,
+            "status": status,
+            "timestamp": _iso(ts),
+        }
+
+    async def run(self, docker: DockerJobs, run: JobRun, job: JobDefinition, index: int) -> Outcome:
+        step = job.steps[index]
+        job_id = job.job_id
+        started = utc_now()
+        self.store.update(job_id, current_step_index=index)
+        self.store.update_step(job_id, index, status=StepStatus.running, started_at=started)
+        self._publish(
+            "step_started", self._step_payload(job_id, step.name, index, "running", started)
+        )
+
+        spec = container_spec(self.settings, job, step, index)
+        container_id: str | None = None
+        try:
+            try:
+                await asyncio.to_thread(
+                    default_hf_cache(self.settings).mkdir, parents=True, exist_ok=True
+                )
+            except OSError as err:
+                raise ContainerStartError(f"cannot create the HF cache directory: {err}") from err
+            container_id = await asyncio.to_thread(docker.create, spec)
+            run.active_container = container_id
+            self.store.update_step(job_id, index, container_id=container_id)
+            if run.cancel.is_set():
+                return self._cancelled(job_id, step.name, index, started, None)
+            stream = await asyncio.to_thread(docker.attach, container_id)
+            deliver = loop_deliverer(
+                asyncio.get_running_loop(), self.buffer, job_id, step.name, index
+            )
+            log_path = step_log_path(self.settings.jobs_dir, job_id, step.name)
+            pump = run_in_thread(
+                pump_container_output, stream, log_path, deliver, name=f"job-{job_id}-logs"
+            )
+            await asyncio.to_thread(docker.start, container_id)
+            if run.cancel.is_set():  # a cancel that raced the start: stop what we started
+                await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
+            exit_code = await run_in_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
+            try:
+                await asyncio.wait_for(asyncio.shield(pump), LOG_DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("job %s step %s: log stream did not end in time", job_id, step.name)
+            if run.cancel.is_set():
+                return self._cancelled(job_id, step.name, index, started, exit_code)
+            if exit_code == 0:
+                return self._completed(job_id, step.name, index, started)
+            tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
+            return self._failed(
+                job_id,
+                step.name,
+                index,
+                started,
+                exit_code,
+                summary="\n".join(tail),
+                job_message=f"Step '{step.name}' failed with exit code {exit_code}",
+            )
+        except ContainerStartError as err:
+            return self._failed(
+                job_id,
+                step.name,
+                index,
+                started,
+                None,
+                summary=str(err),
+                job_message=f"Step '{step.name}' container start failed: {err}",
+            )
+        finally:
+            run.active_container = None
+            if container_id is not None:
+                await asyncio.to_thread(docker.remove, container_id)
+
+    # --- outcomes: one store change, then the marker and the event --------------------------
+
+    def _completed(self, job_id: str, name: str, index: int, started: Any) -> Outcome:
+        now = utc_now()
+        duration = (now - started).total_seconds()
+        self.store.update_step(
+            job_id,
+            index,
+            status=StepStatus.completed,
+            finished_at=now,
+            duration_s=duration,
+            exit_code=0,
+        )
+        self.buffer.mark_completed(job_id, name, index, 0)
+        payload = self._step_payload(job_id, name, index, "completed", now)
+        payload.update(duration_s=duration, exit_code=0)
+        self._publish("step_completed", payload)
+        return "completed"
+
+    def _failed(
+        self,
+        job_id: str,
+        name: str,
+        index: int,
+        started: Any,
+        exit_code: int | None,
+        *,
+        summary: str,
+        job_message: str,
+    ) -> Outcome:
+        now = utc_now()
+        duration = (now - started).total_seconds()
+        self.store.update_step(
+            job_id,
+            index,
+            status=StepStatus.failed,
+            finished_at=now,
+            duration_s=duration,
+            exit_code=exit_code,
+            error_message=summary or job_message,
+        )
+        # The job's final status is written by the executor when the job ends (with
+        # finished_at); the message is recorded now so GET shows why at once.
+        self.store.update(job_id, error_message=job_message)
+        self.buffer.mark_completed(job_id, name, index, exit_code)
+        payload = self._step_payload(job_id, name, index, "failed", now)
+        payload.update(
+            duration_s=duration, exit_code=exit_code, error_summary=summary or job_message
+        )
+        self._publish("step_failed", payload)
+        return "failed"
+
+    def _cancelled(
+        self, job_id: str, name: str, index: int, started: Any, exit_code: int | None
+    ) -> Outcome:
+        now = utc_now()
+        self.store.update_step(
+            job_id,
+            index,
+            status=StepStatus.cancelled,
+            finished_at=now,
+            duration_s=(now - started).total_seconds(),
+            exit_code=exit_code,
+            error_message="cancelled",
+        )
+        self.buffer.mark_completed(job_id, name, index, exit_code)
+        return "cancelled"
