@@ -1,0 +1,246 @@
+"""The HuggingFace backend: our own `solar_host.servers.hf_server`, one process per model.
+
+The server takes its API keys from the environment (SOLAR_HF_API_KEYS), never argv, so
+they do not show in `ps`. Its log carries `[REQUEST]`, `[COMPLETE]` and `[ERROR]` markers
+with request ids; the parser counts requests in flight from them and turns each finished
+chat/completion request into GenerationMetrics (embedding and classification requests only
+move the runtime state: they generate nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import ClassVar
+
+from solar_host.backends.base import (
+    VISION_CAPABILITIES,
+    BackendConfigBase,
+    GenerationMetrics,
+    HostFacts,
+    LaunchContext,
+    LaunchError,
+    LaunchSpec,
+    ParseResult,
+    RuntimeState,
+    vision_capabilities_of_dir,
+)
+from solar_host.backends.huggingface_config import (
+    HuggingFaceCausalConfig,
+    HuggingFaceClassificationConfig,
+    HuggingFaceConfigBase,
+    HuggingFaceEmbeddingConfig,
+    HuggingFaceVisionConfig,
+)
+
+API_KEYS_ENV = "SOLAR_HF_API_KEYS"  # same name as solar_host.servers.hf_server.API_KEYS_ENV
+SERVER_MODULE = "solar_host.servers.hf_server"
+
+CONFIGS: dict[str, type[HuggingFaceConfigBase]] = {
+    "huggingface_causal": HuggingFaceCausalConfig,
+    "huggingface_classification": HuggingFaceClassificationConfig,
+    "huggingface_embedding": HuggingFaceEmbeddingConfig,
+    "huggingface_vision": HuggingFaceVisionConfig,
+}
+MODEL_TYPES = {
+    "huggingface_causal": "causal",
+    "huggingface_classification": "classification",
+    "huggingface_embedding": "embedding",
+    "huggingface_vision": "vision",
+}
+ENDPOINTS = {
+    "huggingface_causal": ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health"],
+    "huggingface_classification": ["/v1/classify", "/v1/models", "/health"],
+    "huggingface_embedding": ["/v1/embeddings", "/v1/models", "/health"],
+    "huggingface_vision": ["/v1/chat/completions", "/v1/models", "/health"],
+}
+GENERATION_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+_READY = re.compile(r"Uvicorn running on https?://", re.IGNORECASE)
+_STARTED = re.compile(r"Uvicorn running on|Application startup complete", re.IGNORECASE)
+_MARK = re.compile(r"\[(REQUEST|COMPLETE|ERROR)\]\s+id=(\S+)(.*)$")
+_KV = re.compile(r"(\w+)=(\S+)")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def model_dir_of(config: BackendConfigBase, models_dir: Path) -> Path | None:
+    """The model directory when model_id names one (absolute, or relative to MODELS_DIR)."""
+    raw = getattr(config, "model_id", None)
+    if not raw:
+        return None
+    path = Path(raw)
+    if not path.is_absolute():
+        path = models_dir / path
+    return path if path.is_dir() else None
+
+
+class HFLogParser:
+    """Runtime state and finished-generation metrics from hf_server's log markers."""
+
+    def __init__(self, clock: Callable[[], datetime] = _now):
+        self._clock = clock
+        self._active: dict[str, tuple[str, datetime]] = {}  # id -> (endpoint, started)
+        self._last: RuntimeState | None = None
+
+    def _state(self) -> RuntimeState | None:
+        n = len(self._active)
+        state = RuntimeState(busy=n > 0, phase="generating" if n else "idle", active_slots=n)
+        if state == self._last:
+            return None
+        self._last = state
+        return state
+
+    def feed(self, line: str) -> ParseResult | None:
+        if "[" in line:
+            m = _MARK.search(line)
+            if m:
+                return self._mark(m.group(1), m.group(2), dict(_KV.findall(m.group(3))))
+        if _STARTED.search(line):
+            self._active.clear()
+            state = self._state()
+            return ParseResult(state=state) if state else None
+        return None
+
+    def _mark(self, kind: str, rid: str, kv: dict[str, str]) -> ParseResult | None:
+        now = self._clock()
+        if kind == "REQUEST":
+            self._active[rid] = (kv.get("endpoint", ""), now)
+            state = self._state()
+            return ParseResult(state=state) if state else None
+        entry = self._active.pop(rid, None)
+        state = self._state()
+        gen = None
+        endpoint = kv.get("endpoint") or (entry[0] if entry else "")
+        if kind == "COMPLETE" and endpoint in GENERATION_ENDPOINTS:
+            gen = self._metrics(kv, entry[1] if entry else None, now)
+        if state is None and gen is None:
+            return None
+        return ParseResult(state=state, generation=gen)
+
+    @staticmethod
+    def _metrics(kv: dict[str, str], started: datetime | None, now: datetime) -> GenerationMetrics:
+        def num(key: str) -> float | None:
+            try:
+                return float(kv[key])
+            except (KeyError, ValueError):
+                return None
+
+        prompt, completion, ms = num("prompt_tokens"), num("completion_tokens"), num("time_ms")
+        if started is None and ms is not None:
+            started = now - timedelta(milliseconds=ms)
+        tps = mspt = None
+        if completion and ms:
+            tps = completion / ms * 1000
+            mspt = ms / completion
+        p = int(prompt) if prompt is not None else None
+        c = int(completion) if completion is not None else None
+        return GenerationMetrics(
+            prompt_tokens=p,
+            generated_tokens=c,
+            total_tokens=(p or 0) + (c or 0) if p is not None or c is not None else None,
+            decode_tps=tps,
+            decode_ms_per_token=mspt,
+            source="log",
+            started_at=started.isoformat() if started else None,
+            finished_at=now.isoformat(),
+        )
+
+    def apply_metrics(self, metrics: Mapping[str, float]) -> ParseResult | None:
+        return None
+
+
+class HuggingFaceBackend:
+    backend_types: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
+    health_path: ClassVar[str | None] = "/health"
+    metrics_path: ClassVar[str | None] = None
+
+    def config_model(self, backend_type: str) -> type[BackendConfigBase]:
+        try:
+            return CONFIGS[backend_type]
+        except KeyError:
+            raise KeyError(f"Unknown HuggingFace backend_type: {backend_type!r}") from None
+
+    def launch(self, config: BackendConfigBase, ctx: LaunchContext) -> LaunchSpec:
+        if config.backend_type not in MODEL_TYPES:
+            raise LaunchError(f"Unknown HuggingFace backend_type: {config.backend_type!r}")
+        model_id = getattr(config, "model_id", None)
+        if not model_id:
+            raise LaunchError(
+                "HuggingFace instance has no model_id: pull the model first "
+                "(model_source must be resolved to a local directory)"
+            )
+        argv = [
+            ctx.python_executable or sys.executable,
+            "-m",
+            SERVER_MODULE,
+            "--model-id",
+            str(model_id),
+            "--model-type",
+            MODEL_TYPES[config.backend_type],
+            "--alias",
+            config.alias,
+            "--host",
+            config.host,
+            "--port",
+            str(ctx.port),
+            "--device",
+            str(getattr(config, "device", "auto")),
+            "--dtype",
+            str(getattr(config, "dtype", "auto")),
+            "--max-length",
+            str(getattr(config, "max_length", 4096)),
+            "--max-batch-size",
+            str(getattr(config, "max_batch_size", 32)),
+            "--batch-window-ms",
+            str(getattr(config, "batch_window_ms", 2.0)),
+        ]
+        if getattr(config, "trust_remote_code", False):
+            argv.append("--trust-remote-code")
+        if getattr(config, "use_flash_attention", False):
+            argv.append("--use-flash-attention")
+        labels = getattr(config, "labels", None)
+        if labels:
+            argv += ["--labels-json", json.dumps(list(labels), ensure_ascii=False)]
+        if getattr(config, "normalize_embeddings", False):
+            argv.append("--normalize-embeddings")
+        keys = [k for k in (ctx.host_api_key, config.api_key) if k]
+        if any("," in k for k in keys):
+            raise LaunchError("API keys for the HuggingFace server must not contain commas")
+        env = {API_KEYS_ENV: ",".join(dict.fromkeys(keys)), "PYTHONUNBUFFERED": "1"}
+        return LaunchSpec(argv=argv, env=env)
+
+    def is_ready_line(self, line: str) -> bool:
+        return bool(_READY.search(line))
+
+    def new_parser(self, config: BackendConfigBase) -> HFLogParser:
+        return HFLogParser()
+
+    def supported_endpoints(self, config: BackendConfigBase) -> list[str]:
+        return list(ENDPOINTS.get(config.backend_type, ["/v1/models", "/health"]))
+
+    def capabilities(self, config: BackendConfigBase, models_dir: Path) -> list[str] | None:
+        if config.backend_type == "huggingface_vision":
+            return list(VISION_CAPABILITIES)
+        if config.backend_type == "huggingface_causal":
+            return vision_capabilities_of_dir(model_dir_of(config, models_dir))
+        return None
+
+    def served_model_name(self, config: BackendConfigBase) -> str:
+        return config.alias
+
+    def model_paths(self, config: BackendConfigBase) -> list[str]:
+        model_id = getattr(config, "model_id", None)
+        return [model_id] if model_id and Path(model_id).is_absolute() else []
+
+    def is_available(self, facts: HostFacts) -> bool:
+        return facts.hf_available
+
+
+BACKEND = HuggingFaceBackend()
