@@ -129,6 +129,9 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     host.add("backends", backends, lifecycle=False)
 
     # --- resources (ledger, usage) ----------------------------------------------------------
+    from solar_host.resources.service import ResourceService
+
+    resources = host.add("resources", ResourceService(settings, bus=host.bus, probe=host.probe))
     # --- model store ------------------------------------------------------------------------
     from solar_host.model_store.service import ModelStore
 
@@ -147,6 +150,7 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     host.add("instances", manager)
 
     store.in_use = manager.models_in_use
+    resources.jobs = host.services.get("jobs")
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:
         from solar_host.control.client import ControlLink
@@ -186,6 +190,9 @@ def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any
     for module in (system, instances, streams, docs):
         app.include_router(module.router)
     # --- feature routers (models, jobs, resources, metrics) -----------------------------------
+    from solar_host.api import resources as resources_api
+
+    app.include_router(resources_api.router)
     from solar_host.api import models as models_api
 
     app.include_router(models_api.router)
