@@ -263,6 +263,8 @@ def test_request_validation() -> None:
         {"job_id": "j", "vram_gb": -1, "ram_gb": 1},
         {"job_id": "j", "vram_gb": 1, "ram_gb": 1, "disk_gb": -0.5},
         {"job_id": "j", "vram_gb": float("nan"), "ram_gb": 1},
+        {"job_id": "j", "vram_gb": True, "ram_gb": 1},  # a bool is not a size
+        {"job_id": "j", "vram_gb": "4", "ram_gb": 1},
         {"job_id": "j", "vram_gb": 1, "ram_gb": 1, "ttl_seconds": 0},
         {"job_id": "j", "vram_gb": 1, "ram_gb": 1, "ttl_seconds": 1e30},
         {"job_id": "j", "vram_gb": 1, "ram_gb": 1, "ttl_seconds": 5, "expires_at": future},

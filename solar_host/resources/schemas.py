@@ -34,15 +34,16 @@ class ReservationRequest(BaseModel):
     job_id: str = Field(min_length=1, max_length=256, description="Job (or intent) it is for.")
     requester: str | None = Field(default=None, max_length=256, description="Who asked.")
     workload_type: WorkloadType = "training"
-    vram_gb: float = Field(ge=0, allow_inf_nan=False, description="VRAM to hold, GiB.")
-    ram_gb: float = Field(ge=0, allow_inf_nan=False, description="RAM to hold, GiB.")
+    vram_gb: float = Field(ge=0, strict=True, allow_inf_nan=False, description="VRAM to hold, GiB.")
+    ram_gb: float = Field(ge=0, strict=True, allow_inf_nan=False, description="RAM to hold, GiB.")
     disk_gb: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False, description="Disk to hold, GiB."
+        default=None, ge=0, strict=True, allow_inf_nan=False, description="Disk to hold, GiB."
     )
     ttl_seconds: float | None = Field(
         default=None,
         gt=0,
         le=MAX_TTL_SECONDS,
+        strict=True,
         allow_inf_nan=False,
         description="Lifetime; default DEFAULT_RESERVATION_TTL_SECONDS. Not with expires_at.",
     )
