@@ -321,7 +321,7 @@ class SglangLogParser:
                 generation = self._finalize(self._open_counters, counters)
                 self._open_counters = None
             state = None
-            if self._prefill is None:
+            if self._prefill is None and self._state.busy:
                 state = self._emit(RuntimeState())
         if generation is None and state is None:
             return None
