@@ -279,3 +279,20 @@ def test_request_validation() -> None:
         {"job_id": "intent:abc", "vram_gb": 1, "ram_gb": 0.0, "requester": "intent:x", "z": 1}
     )
     assert ok.workload_type == "training" and ok.requester == "intent:x"
+
+
+def test_create_does_not_count_expired_reservations(svc: ResourceService) -> None:
+    events: list[str] = []
+    svc.bus.subscribe(lambda e: events.append(e.reason), ReservationsChanged)
+    old = svc.create(req("a", vram=16))
+    svc.ledger._items[old["id"]].expires_at = datetime.now(UTC) - timedelta(seconds=1)
+    new = svc.create(req("b", vram=16))  # would not fit if the expired one still counted
+    assert [r["id"] for r in svc.snapshot()["reservations"]] == [new["id"]]
+    assert events == ["created", "expired", "created"]
+
+
+def test_default_ttl_is_bounded(settings: Settings, gpu_probe: FakeProbe) -> None:
+    settings.default_reservation_ttl_seconds = 1e30  # would overflow datetime arithmetic
+    svc = ResourceService(settings, bus=EventBus(), probe=gpu_probe)
+    view = svc.create(req(vram=1))
+    assert datetime.fromisoformat(view["expires_at"]).year >= datetime.now(UTC).year + 9

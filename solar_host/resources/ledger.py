@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from solar_host.resources.probes import GB
-from solar_host.resources.schemas import ReservationRequest
+from solar_host.resources.schemas import MAX_TTL_SECONDS, ReservationRequest
 
 DIMENSIONS = ("vram", "ram", "disk")
 
@@ -227,7 +227,7 @@ class Ledger:
         elif req.ttl_seconds is not None:
             expires = now + timedelta(seconds=req.ttl_seconds)
         elif default_ttl_s:
-            expires = now + timedelta(seconds=default_ttl_s)
+            expires = now + timedelta(seconds=min(default_ttl_s, MAX_TTL_SECONDS))
         else:
             expires = None
         with self._lock:

@@ -98,6 +98,8 @@ class ResourceService:
     # --- changes (call from the event-loop thread: they publish) ------------------------------
     def create(self, req: ReservationRequest) -> dict[str, Any]:
         """Reserve capacity; the view of the new reservation. Raises CapacityExceeded."""
+        # Expired reservations must not refuse a request while they wait for the next sweep.
+        self.cleanup_expired(count_run=False)
         view = self.ledger.create(
             req,
             self.system_usage,
@@ -121,9 +123,11 @@ class ResourceService:
         self.bus.publish(ReservationsChanged(reason="released"))
         return {"detail": "released", "id": res.id}
 
-    def cleanup_expired(self, now: datetime | None = None) -> int:
+    def cleanup_expired(self, now: datetime | None = None, *, count_run: bool = True) -> int:
+        """Remove expired reservations whose job does not run; how many went."""
         removed = self.ledger.expire(now)
-        self.cleanup_runs += 1
+        if count_run:
+            self.cleanup_runs += 1
         if removed:
             log.info("expired reservations removed: %s", ", ".join(removed))
             self.bus.publish(ReservationsChanged(reason="expired"))
