@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from solar_host.backends.base import LaunchContext
 from solar_host.backends.prometheus import parse_prometheus_text
 from solar_host.backends.sglang import BACKEND, SglangLogParser, usage_snapshot
 from solar_host.backends.sglang_config import SglangConfig
+from tests.fixtures.fake_sglang import make_fake_sglang_venv
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sglang_server.log"
 
@@ -271,3 +280,189 @@ def test_usage_snapshot_from_a_scrape() -> None:
     assert gauges["requests_processing"] == 0 and gauges["prompt_tokens_total"] is None
     assert usage_snapshot(parse_prometheus_text("process_cpu_seconds_total 1\n")) is None
     assert BACKEND.usage_snapshot({"sglang:token_usage": 0.5})["kv_cache_usage_ratio"] == 0.5
+
+
+# --- The fake SGLang server, end to end ----------------------------------------------------------
+
+
+class FakeServer:
+    """The fake started from BACKEND.launch()'s own argv and env, its log read on a thread."""
+
+    def __init__(self, tmp_path: Path, extra_env: dict[str, str] | None = None, **ctx_kw):
+        venv = make_fake_sglang_venv(tmp_path, style=ctx_kw.pop("style", "console"))
+        self.port = free_port()
+        self.config = SglangConfig(
+            alias="fake:model", model_path="/models/fake", host="127.0.0.1",
+            chunked_prefill_size=8, **ctx_kw,
+        )  # fmt: skip
+        self.ctx = LaunchContext(
+            instance_id="0b7c2f7e-1d2a-4c3b-9e8f-0123456789ab",
+            port=self.port,
+            host_api_key="host-key",
+            models_dir=tmp_path,
+            sglang_venv_path=str(venv),
+            sglang_prompt_cache_dir=str(tmp_path / "cache"),
+            gpu_type="nvidia_cuda",
+        )
+        self.spec = BACKEND.launch(self.config, self.ctx)
+        assert BACKEND.before_start(self.config, self.ctx) == []  # as the supervisor does
+        env = {**os.environ, **self.spec.env, **(extra_env or {})}
+        for name in self.spec.env_remove:
+            env.pop(name, None)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(
+            self.spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.auth = {"Authorization": "Bearer host-key"}
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if BACKEND.is_ready_line(line):
+                self.ready.set()
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        assert self.ready.wait(timeout), "\n".join(self.lines)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(10)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def scrape(self) -> dict[str, float]:
+        return parse_prometheus_text(httpx.get(f"{self.url}/metrics", timeout=5).text)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    server = FakeServer(tmp_path, extra_env={"FAKE_SGLANG_READY_DELAY_S": "0.5"})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_fake_starts_serves_counts_and_stops(fake: FakeServer, tmp_path: Path) -> None:
+    # The uvicorn banner comes first, and /health says 503 until warmup is done.
+    assert wait_until_true(lambda: any("Uvicorn running" in ln for ln in fake.lines))
+    early = httpx.get(f"{fake.url}/health", timeout=5).status_code
+    assert early == 503 or (early == 200 and fake.ready.wait(5))  # 200 only once warmed up
+    fake.wait_ready()
+    banner = next(i for i, ln in enumerate(fake.lines) if "Uvicorn running" in ln)
+    ready = next(i for i, ln in enumerate(fake.lines) if BACKEND.is_ready_line(ln))
+    assert banner < ready
+    assert any("Load weight end." in ln for ln in fake.lines[:banner])
+    assert httpx.get(f"{fake.url}/health", timeout=5).status_code == 200
+
+    # Auth: the host key as Bearer; nothing else.
+    assert httpx.get(f"{fake.url}/v1/models", timeout=5).status_code == 401
+    bad = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{fake.url}/v1/models", headers=bad, timeout=5).status_code == 401
+    models = httpx.get(f"{fake.url}/v1/models", headers=fake.auth, timeout=5).json()
+    assert [m["id"] for m in models["data"]] == ["fake-model"]
+
+    # The venv environment and the per-instance cache dir reached the process.
+    info = httpx.get(f"{fake.url}/fake/info", headers=fake.auth, timeout=5).json()
+    cache_dir = tmp_path / "cache" / f"fake-model-{fake.ctx.instance_id}"
+    assert info["env"]["VIRTUAL_ENV"] == fake.ctx.sglang_venv_path
+    assert info["env"]["PATH0"] == str(Path(fake.ctx.sglang_venv_path) / "bin")
+    assert info["env"]["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(cache_dir)
+    assert info["env"]["PYTHONUNBUFFERED"] == "1" and info["env"]["PYTHONHOME"] is None
+    assert info["args"]["served_model_name"] == "fake-model" and info["argv"][:2] == [
+        "serve",
+        "--model-path",
+    ]
+
+    # One request: log lines and /metrics feed the parser like the supervisor will.
+    parser = BACKEND.new_parser(fake.config)
+    seen = len(fake.lines)
+    before = fake.scrape()
+    assert parser.apply_metrics(before) is None
+    body = {"model": "fake:model", "messages": [{"role": "user", "content": "one two three"}]}
+    body["max_tokens"] = 40
+    result: dict = {}
+    worker = threading.Thread(
+        target=lambda: result.update(
+            httpx.post(
+                f"{fake.url}/v1/chat/completions", json=body, headers=fake.auth, timeout=30
+            ).json()
+        )
+    )
+    worker.start()
+    assert wait_until_true(lambda: fake.scrape()["sglang:num_running_reqs"] == 1)
+    parser.apply_metrics(fake.scrape())  # the request is open
+    worker.join(30)
+    assert result["usage"]["completion_tokens"] == 40
+    assert result["choices"][0]["message"]["content"] == "Hello from fake SGLang."
+    after = fake.scrape()
+    assert after["sglang:generation_tokens_total"] == before["sglang:generation_tokens_total"] + 40
+    assert after["sglang:prompt_tokens_total"] > before["sglang:prompt_tokens_total"]
+    assert wait_until_true(lambda: any("POST /v1/chat/completions" in ln for ln in fake.lines))
+    states = [r.state for ln in fake.lines[seen:] if (r := parser.feed(ln)) and r.state]
+    assert [s.phase for s in states][:1] == ["prefill"] and "generating" in [
+        s.phase for s in states
+    ]
+    done = parser.apply_metrics(after)
+    g = done.generation
+    assert (g.generated_tokens, g.prompt_tokens) == (40, result["usage"]["prompt_tokens"])
+    assert g.prompt_eval_tokens == g.prompt_tokens and g.cached_tokens == 0
+    assert g.decode_tps == 100.0 and g.source == "metrics"
+    assert (done.state.busy, done.state.phase) == (False, "idle")
+
+    # The same prompt again hits the prefix cache.
+    again = httpx.post(f"{fake.url}/v1/chat/completions", json=body, headers=fake.auth, timeout=30)
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert len(list(cache_dir.iterdir())) == 2  # one page per request
+
+    assert fake.stop() == 0
+    assert "Finished server process" in fake.lines[-1]
+
+
+def test_fake_as_python_module_and_its_refusals(tmp_path: Path) -> None:
+    server = FakeServer(tmp_path, style="python")
+    try:
+        assert server.spec.argv[1:3] == ["-m", "sglang.launch_server"]
+        server.wait_ready()
+        assert httpx.get(f"{server.url}/metrics", timeout=5).status_code == 200
+    finally:
+        assert server.stop() == 0
+    venv = make_fake_sglang_venv(tmp_path)
+    no_key = subprocess.run(
+        [str(venv / "bin" / "sglang"), "serve", "--model-path", "/m", "--port", "1"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert no_key.returncode == 2 and "--api-key" in no_key.stderr
+    crash = subprocess.run(
+        [str(venv / "bin" / "sglang"), "serve", "--model-path", "/m", "--api-key", "k"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "FAKE_SGLANG_FAIL": "load"},
+    )  # fmt: skip
+    assert crash.returncode == 1 and "Load weight begin" in crash.stderr
+    assert not any(BACKEND.is_ready_line(ln) for ln in crash.stderr.splitlines())
+
+
+def wait_until_true(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return True
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.02)
+    return False
