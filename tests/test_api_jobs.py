@@ -1,7 +1,7 @@
 """The /jobs REST API against a real Docker daemon (tests/fixtures/docker.py) and busybox.
 
-The host is a small FastAPI app holding the real JobService, the real /jobs router and the real
-API-key middleware, driven through its lifespan with httpx over ASGI.
+The host is the whole app from `create_app` (temp dirs, a probe with fake GPUs and an adjustable
+disk), driven through its lifespan with httpx over ASGI.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import docker
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from solar_host.api import jobs as jobs_api
-from solar_host.api.auth import APIKeyMiddleware
+from solar_host.app import create_app
 from solar_host.events import EventBus, JobLifecycle, StepLog
 from solar_host.jobs.executor import SHUTDOWN_MESSAGE
 from solar_host.jobs.service import JobService
@@ -89,11 +86,15 @@ def make_settings(tmp_path: Path, **kw: Any) -> Settings:
 
 
 class Host:
+    """The whole host from `create_app`, with recorders on its event bus."""
+
     def __init__(self, settings: Settings, probe: Probe | None = None) -> None:
         self.settings = settings
-        self.bus = EventBus()
         self.probe = probe or Probe()
-        self.jobs = JobService(settings, bus=self.bus, probe=self.probe)
+        self.app = create_app(settings, probe=self.probe)
+        host = self.app.state.host
+        self.bus: EventBus = host.bus
+        self.jobs: JobService = host.jobs
         self.events: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self.step_logs: list[dict[str, Any]] = []
         self.bus.subscribe(self._on_lifecycle, JobLifecycle)
@@ -112,29 +113,10 @@ class Host:
     def names(self, job_id: str) -> list[str]:
         return [n for n, p, _ in self.events if p["job_id"] == job_id]
 
-    def app(self) -> FastAPI:
-        service = self.jobs
-
-        @contextlib.asynccontextmanager
-        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            await service.start()
-            try:
-                yield
-            finally:
-                await service.stop()
-
-        app = FastAPI(lifespan=lifespan)
-        app.state.host = SimpleNamespace(
-            settings=self.settings, bus=self.bus, probe=self.probe, jobs=service
-        )
-        app.include_router(jobs_api.router)
-        app.add_middleware(APIKeyMiddleware, get_key=lambda: KEY)
-        return app
-
 
 @contextlib.asynccontextmanager
 async def running(host: Host) -> AsyncIterator[httpx.AsyncClient]:
-    app = host.app()
+    app = host.app
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(
@@ -397,7 +379,7 @@ async def test_bad_requests_change_nothing(dockerd: DockerDaemon, tmp_path: Path
         assert (await client.get("/jobs")).json() == []
         # unknown ids, and no key at all
         assert (await client.get("/jobs/nope")).status_code == 404
-        assert (await client.get("/jobs/..")).status_code == 404
+        assert (await client.get("/jobs/a..b")).status_code == 404
         assert (await client.delete("/jobs/nope")).status_code == 404
         r = await client.get("/jobs", headers={"X-API-Key": "wrong"})
         assert r.status_code == 401
