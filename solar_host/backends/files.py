@@ -47,9 +47,10 @@ def resolve_model_file(base_dir: Path, pattern: str) -> Path:
         return exact
     matches: list[Path] = []
     for recursive in (False, True):
-        expr = str(base_dir / ("**/" + pattern if recursive else pattern))
+        expr = "**/" + pattern if recursive else pattern
         try:
-            found = [Path(m) for m in glob.glob(expr, recursive=recursive)]
+            # root_dir keeps glob characters in the directory name ("Model[v2]") literal.
+            found = [base_dir / m for m in glob.glob(expr, root_dir=base_dir, recursive=recursive)]
         except (re.error, ValueError) as err:
             raise ValueError(f"Invalid model file pattern '{pattern}': {err}") from None
         matches = [m for m in found if m.is_file() and _inside(m, base_dir)]
