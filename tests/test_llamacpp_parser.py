@@ -218,7 +218,8 @@ def test_unrelated_lines_are_ignored():
 
 
 def test_metrics_correct_busy_flag():
-    parser = LlamaCppLogParser()
+    now = [100.0]
+    parser = LlamaCppLogParser(clock=lambda: now[0])
     assert parser.apply_metrics({"process_cpu_seconds_total": 1.0}) is None
     assert parser.apply_metrics({"llamacpp:requests_processing": 0.0}) is None  # agrees
     r = parser.apply_metrics(
@@ -228,10 +229,14 @@ def test_metrics_correct_busy_flag():
     assert parser.apply_metrics({"llamacpp:requests_processing": 1.0}) is None  # still busy
     r = parser.apply_metrics({"llamacpp:requests_processing": 0.0})
     assert r.state == RuntimeState()
+    # a scrape taken just before a launch line does not cancel the launch...
     parser.feed("slot launch_slot_: id  0 | task 1 | processing task")
-    r = parser.apply_metrics(
-        {"llamacpp:requests_processing": 0.0, "llamacpp:prompt_tokens_total": 5}
-    )
+    idle_scrape = {"llamacpp:requests_processing": 0.0, "llamacpp:prompt_tokens_total": 5}
+    assert parser.apply_metrics(idle_scrape) is None
+    assert parser.last_state.busy
+    # ...but a release line that never came is repaired once the log has been quiet a while
+    now[0] += 10
+    r = parser.apply_metrics(idle_scrape)
     assert r.state.phase == "idle" and not parser.active_slots
 
 

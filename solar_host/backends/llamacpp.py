@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,7 +121,13 @@ class LlamaCppLogParser:
     stream of identical progress lines costs the rest of the host nothing.
     """
 
-    def __init__(self, recent: int = 100) -> None:
+    # /metrics is scraped every few seconds: a reading of "0 processing" taken just before a
+    # launch line must not cancel that launch.
+    METRICS_IDLE_GRACE_S = 2.5
+
+    def __init__(self, recent: int = 100, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last_activity = float("-inf")
         self.active_slots: set[int] = set()
         self.pending: dict[int, _Pending] = {}
         self.recent_generations: deque[GenerationMetrics] = deque(maxlen=recent)
@@ -320,6 +327,8 @@ class LlamaCppLogParser:
             return self._emit(
                 RuntimeState(busy=True, phase="generating", active_slots=int(processing))
             )
+        if self._clock() - self._last_activity < self.METRICS_IDLE_GRACE_S:
+            return None
         self.active_slots.clear()
         return self._emit(RuntimeState())
 
@@ -328,6 +337,7 @@ class LlamaCppLogParser:
     def _ensure(self, slot: int, task: int | None, replace_other_task: bool) -> _Pending:
         self.active_slots.add(slot)
         self._last_slot = slot
+        self._last_activity = self._clock()
         pending = self.pending.get(slot)
         if pending is None or (
             replace_other_task and task is not None and task >= 0 and pending.task_id != task
