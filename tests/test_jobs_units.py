@@ -162,6 +162,7 @@ def test_store_persists_and_marks_interrupted(tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         store.update("missing", status=JobStatus.failed)
     assert json.loads(path.read_text())["jobs"][0]["steps"][0]["container_id"] == "abc"
+    assert path.stat().st_mode & 0o777 == 0o600
 
     again = JobStore(path)
     assert again.load() == ["r"]

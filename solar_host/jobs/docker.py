@@ -28,6 +28,7 @@ LABEL_JOB = "solar-host.job"
 LABEL_STEP = "solar-host.step"
 LABEL_JOBS_DIR = "solar-host.jobs-dir"
 API_TIMEOUT_S = 30
+PING_TIMEOUT_S = 5
 
 
 class DaemonUnavailableError(RuntimeError):
@@ -69,8 +70,11 @@ class DockerJobs:
     def connect(cls, timeout: float = API_TIMEOUT_S) -> DockerJobs:
         """Connect and ping; raises DaemonUnavailableError."""
         try:
-            client = docker.from_env(timeout=timeout, max_pool_size=32)
+            # A short timeout for the probe (an unreachable TCP host must not stall a submit),
+            # the normal one for the calls that follow.
+            client = docker.from_env(timeout=PING_TIMEOUT_S, max_pool_size=32)
             client.ping()
+            client.api.timeout = timeout
         except Exception as err:  # DockerException, requests errors, bad DOCKER_HOST
             raise DaemonUnavailableError(f"Docker daemon unavailable: {err}") from err
         return cls(client)

@@ -102,7 +102,8 @@ class JobStore:
             return
         data = {"version": 1, "jobs": [j.model_dump(mode="json") for j in self._jobs.values()]}
         try:
-            atomic_write_bytes(self.path, json.dumps(data, indent=1).encode())
+            # 0600: step environments given by the caller may hold credentials.
+            atomic_write_bytes(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
         except OSError as err:
             # The in-memory state stays authoritative; the next change retries the write.
             log.error("cannot write the job store %s: %s", self.path, err)
