@@ -121,22 +121,28 @@ class JobExecutor:
         if state is None or state.terminal:
             return
         now = utc_now()
-        steps = [
-            s.model_copy(update={"status": StepStatus.cancelled})
-            if s.status in (StepStatus.pending, StepStatus.running)
-            else s
-            for s in state.steps
-        ]
         if run.shutdown:
             status, message = JobStatus.failed, SHUTDOWN_MESSAGE
         elif run.cancel.is_set():
             status, message = JobStatus.cancelled, state.error_message
         elif failed_message is not None:
             status, message = JobStatus.failed, failed_message
-        elif any(s.status == StepStatus.failed for s in steps):
+        elif any(s.status == StepStatus.failed for s in state.steps):
             status, message = JobStatus.failed, state.error_message or "A step failed"
         else:
             status, message = JobStatus.completed, None
+        steps = []
+        for s in state.steps:
+            if s.status == StepStatus.running:  # interrupted by what ended the job
+                interrupted = (
+                    StepStatus.cancelled if status == JobStatus.cancelled else StepStatus.failed
+                )
+                s = s.model_copy(
+                    update={"status": interrupted, "finished_at": now, "error_message": message}
+                )
+            elif s.status == StepStatus.pending:
+                s = s.model_copy(update={"status": StepStatus.cancelled})
+            steps.append(s)
         self.store.update(
             job.job_id, status=status, finished_at=now, error_message=message, steps=steps
         )
