@@ -1,20 +1,22 @@
 """HuggingFace Hub snapshots, downloaded with huggingface_hub into a local directory.
 
-`download` is blocking and runs in a worker thread. huggingface_hub keeps `.incomplete` files
-and per-file metadata under `<local_dir>/.cache/huggingface/`, so a pull interrupted and started
-again continues from what it has. Progress and cancellation ride on the byte-progress bar that
-snapshot_download updates for every chunk: our bar class counts bytes and raises when the pull
-is cancelled, which unwinds the download at the next chunk.
+`download` is blocking and runs in a worker thread. huggingface_hub keeps per-file metadata
+under `<local_dir>/.cache/huggingface/`, so a pull interrupted and started again skips every file
+it already completed (huggingface_hub 2.x resumes per file: a half-downloaded file is started
+over). Cancellation rides on the progress bar that snapshot_download updates for every chunk
+(10 MB): our bar class raises when the pull is cancelled, which unwinds the download. Progress
+is measured from the bytes on disk (`bytes_on_disk`), temporary files included.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
 
-from solar_host.model_store.progress import ByteCounter
 from solar_host.model_store.pull import PullError
 
 
@@ -22,20 +24,35 @@ class PullCancelled(Exception):
     """Raised inside a download thread when its pull was cancelled or aborted."""
 
 
-def _bar_class(counter: ByteCounter, cancel: threading.Event) -> type:
+def bytes_on_disk(local_dir: Path) -> int:
+    """Bytes of regular files under `local_dir` (in-progress temporary files included)."""
+    total = 0
+    meta = os.path.join(str(local_dir), ".cache")
+    for dirpath, _dirs, files in os.walk(local_dir):
+        in_meta = dirpath == meta or dirpath.startswith(meta + os.sep)
+        for fn in files:
+            if in_meta and not fn.endswith(".incomplete"):
+                continue  # huggingface_hub's bookkeeping, not model bytes
+            try:
+                st = os.lstat(os.path.join(dirpath, fn))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
+
+
+def _bar_class(cancel: threading.Event) -> type:
     from huggingface_hub.utils import tqdm as hf_tqdm
 
     class CountingBar(hf_tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self._counts = kwargs.get("name") == "huggingface_hub.snapshot_download"
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
 
         def update(self, n: float | None = 1) -> bool | None:
             if cancel.is_set():
                 raise PullCancelled("pull cancelled")
-            if self._counts and n:
-                counter.add(int(n))
             return None
 
     return CountingBar
@@ -48,7 +65,6 @@ def download(
     token: str | None,
     endpoint: str | None,
     allow_patterns: list[str] | None,
-    counter: ByteCounter,
     cancel: threading.Event,
 ) -> None:
     from huggingface_hub import snapshot_download
@@ -61,7 +77,7 @@ def download(
             token=token or None,
             endpoint=endpoint or None,
             allow_patterns=allow_patterns or None,
-            tqdm_class=_bar_class(counter, cancel),
+            tqdm_class=_bar_class(cancel),
             max_workers=4,
         )
     except PullCancelled:

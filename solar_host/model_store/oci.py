@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 TITLE = "org.opencontainers.image.title"
 UNPACK = "io.deis.oras.content.unpack"
+DIR_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"  # oras: a pushed directory
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -200,7 +201,7 @@ class Registry:
                     hasher.update(block)
         headers = {"Range": f"bytes={have}-"} if have else {}
         resp = self.request("GET", f"/v2/{repository}/blobs/{layer.digest}", headers, stream=True)
-        forget = cancel.on_cancel(resp.close)
+        forget = cancel.on_cancel(lambda: _abort(resp))
         try:
             if resp.status_code == 404:
                 raise PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
@@ -252,7 +253,9 @@ def _stream(
             raw = resp.raw
             while not cancel.is_set():
                 try:
-                    chunk = raw.read(CHUNK, decode_content=False)
+                    # read1: whatever has arrived (up to CHUNK), so a stalled source leaves
+                    # every byte it sent on disk for the resume.
+                    chunk = raw.read1(CHUNK, decode_content=False)
                 except Exception:
                     if cancel.is_set():
                         break
@@ -275,6 +278,20 @@ def _stream(
     return written
 
 
+def _abort(resp: Any) -> None:
+    """Wake a thread blocked reading `resp` (close() alone does not interrupt a recv)."""
+    import socket
+
+    conn = getattr(resp.raw, "_connection", None)
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    resp.close()
+
+
 def parse_layers(manifest: dict[str, Any]) -> list[Layer]:
     layers = []
     for raw in manifest.get("layers") or []:
@@ -293,7 +310,8 @@ def parse_layers(manifest: dict[str, Any]) -> list[Layer]:
                 digest=digest,
                 size=int(raw.get("size") or 0),
                 title=safe_relative(str(title)),
-                unpack=str(ann.get(UNPACK, "")).lower() == "true",
+                unpack=str(ann.get(UNPACK, "")).lower() == "true"
+                or raw.get("mediaType") == DIR_LAYER,
             )
         )
     if not layers:
@@ -308,8 +326,11 @@ def assemble(layers: list[Layer], blobs: Path, tree: Path) -> None:
     for layer in layers:
         blob = blobs / f"sha256-{layer.hex}"
         if layer.unpack:
+            # Like oras: the archive holds the directory named by the title.
+            dest_dir = (tree / layer.title).parent
+            dest_dir.mkdir(parents=True, exist_ok=True)
             with tarfile.open(blob, "r:*") as tf:
-                tf.extractall(tree, filter="data")
+                tf.extractall(dest_dir, filter="data")
             continue
         dest = tree / layer.title
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -361,15 +361,16 @@ class ModelStore:
                     token=self.settings.hf_token or None,
                     endpoint=endpoint,
                     allow_patterns=filters,
-                    counter=counter,
                     cancel=job.cancel.event,
                 )
 
         ok = False
         try:
-            await self._run_monitored(job, fetch, counter, floor, partial)
+            measure = None if registry is not None else partial
+            await self._run_monitored(job, fetch, counter, floor, partial, measure)
             for r in job.reporters:
-                r.phase("verifying")
+                r.phase("verifying")  # blobs were hashed while streaming; now place the files
+                r.phase("finalizing")
             entry = await asyncio.to_thread(
                 self._finalize, job, req, slug, partial, target, layers, filters, manifest_digest
             )
@@ -392,8 +393,12 @@ class ModelStore:
         counter: ByteCounter,
         floor: int,
         partial: Path,
+        measure: Path | None = None,
     ) -> None:
-        """Run `fetch` in a thread; report progress; abort on low disk or cancellation."""
+        """Run `fetch` in a thread; report progress; abort on low disk or cancellation.
+
+        Progress is what the fetch counted, or (`measure`) the bytes on disk under that dir.
+        """
         await asyncio.to_thread(partial.mkdir, parents=True, exist_ok=True)
         fut = asyncio.ensure_future(asyncio.to_thread(fetch))
         poll = min(self.settings.pull_disk_poll_interval_s, self.settings.pull_progress_interval_s)
@@ -403,6 +408,8 @@ class ModelStore:
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=0 if first else poll)
+                if measure is not None:
+                    counter.set(await asyncio.to_thread(huggingface.bytes_on_disk, measure))
                 now = time.monotonic()
                 speed = (counter.done - last_b) / (now - last_t) if now > last_t else None
                 if not first:
