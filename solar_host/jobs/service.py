@@ -147,7 +147,8 @@ class JobService:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.to_thread(self.jobs_dir.mkdir, parents=True, exist_ok=True)
+        # JOBS_DIR is created by the first submission, not here: a host that never runs a job
+        # leaves no trace of it.
         interrupted = await asyncio.to_thread(self.store.load)
         for job_id in interrupted:
             log.warning("job %s was running when the host stopped; marked failed", job_id)
