@@ -39,8 +39,12 @@ def curl_once(url: str, out: Path) -> float:
 
 async def store_once(reg: Registry, models: Path, mb: int) -> float:
     settings = Settings(
-        models_dir=models, harbor_url=reg.url, harbor_username="bench", harbor_password="bench",
-        min_free_disk_gb=0, pull_progress_interval_s=5.0,
+        models_dir=models,
+        harbor_url=reg.url,
+        harbor_username="bench",
+        harbor_password="bench",
+        min_free_disk_gb=0,
+        pull_progress_interval_s=5.0,
     )
     store = ModelStore(settings)
     await store.start()
