@@ -1,0 +1,503 @@
+"""The link to solar-control over Socket.IO (control-contract 1, reference 8).
+
+One `ControlLink` per host. It owns its reconnect loop (python-socketio's own reconnection is
+off): connect to `/hosts` with `{api_key, host_name}`, register, and on every disconnect or
+refused connect retry with a short capped backoff, trying each configured URL in turn
+(fail-over between control replicas). Telemetry goes out three ways:
+
+* `instances_update` at once after every instance change (at most one send in flight, always
+  the newest full list: control replaces its cache with each list it gets);
+* `host_health` every HEALTH_REPORT_INTERVAL_S, and early (debounced) after a reservation or
+  instance change so placement sees it (contract 8.10);
+* logs, runtime states, step logs, pull progress and job events through the bounded outbox,
+  flushed every OUTBOX_FLUSH_INTERVAL_S.
+
+Bus handlers only touch memory, so a host with control unreachable never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import socketio
+
+from solar_host import events as ev
+from solar_host.control.commands import COMMANDS, run_command
+from solar_host.control.outbox import Outbox
+from solar_host.control.payloads import PayloadBuilder
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "/hosts"
+HEALTH_DEBOUNCE_S = 0.2
+
+
+class ControlLinkUnavailable(RuntimeError):
+    """The link is not running, so POST /reconnect cannot start a connection (503)."""
+
+
+def normalize_url(url: str) -> str:
+    """scheme://host[:port] of a SOLAR_CONTROL_URL: ws->http, wss->https, bare->http; the path
+    (e.g. the legacy /ws/host-channel) is dropped: control serves /socket.io/ only."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
+    if scheme not in ("http", "https"):
+        raise ValueError(f"SOLAR_CONTROL_URL: unsupported scheme {parts.scheme!r} in {url!r}")
+    if not parts.netloc:
+        raise ValueError(f"SOLAR_CONTROL_URL: no host in {url!r}")
+    return f"{scheme}://{parts.netloc}"
+
+
+async def wait_event(event: asyncio.Event, within_s: float) -> bool:
+    """True if `event` is set within `within_s`. asyncio.timeout, unlike 3.11's wait_for, never
+    swallows a cancellation that lands as the event fires."""
+    try:
+        async with asyncio.timeout(within_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+@dataclass(eq=False)
+class _Session:
+    """One Socket.IO connection. Handlers are bound to their session, so a late event of an old
+    connection cannot disturb the state of the current one."""
+
+    sio: socketio.AsyncClient
+    url: str
+    ns_connected: bool = False
+    ack_seq: int = 0
+    synced_seq: int = 0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def acked(self) -> bool:
+        return self.ack_seq > 0
+
+
+class ControlLink:
+    """The host's Socket.IO client towards solar-control."""
+
+    def __init__(self, host: Any, *, connect_timeout_s: float = 10.0) -> None:
+        self.host = host
+        self.settings = host.settings
+        self.urls = [normalize_url(u) for u in self.settings.control_urls]
+        if not self.urls:
+            raise ValueError("ControlLink needs at least one SOLAR_CONTROL_URL")
+        self.connect_timeout_s = connect_timeout_s
+        self.payloads = PayloadBuilder(host)
+        self.outbox = Outbox(self.settings.outbox_max_entries)
+        # Counters for the metrics endpoint.
+        self.sent: Counter[str] = Counter()
+        self.reconnects = 0
+        self.connect_failures = 0
+        self.emit_failures = 0
+        # Registration state.
+        self.host_id: str | None = None
+        self.pending_id: str | None = None
+        self.rejected = False
+        self.rejected_reason: str | None = None
+
+        self._running = False
+        self._session: _Session | None = None
+        self._url_index = 0
+        self._run_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._unsubscribe: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self._health_soon = asyncio.Event()
+        self._emit_lock = asyncio.Lock()
+        self._instances_dirty = False
+        self._instances_task: asyncio.Task[None] | None = None
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """The /hosts namespace is connected (approved or pending)."""
+        s = self._session
+        return s is not None and s.ns_connected and not s.closed.is_set()
+
+    @property
+    def registered(self) -> bool:
+        """Connected and acknowledged by control: telemetry is used, not dropped."""
+        s = self._session
+        return self.connected and s is not None and s.acked
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "connected": self.connected,
+            "registered": self.registered,
+            "rejected": self.rejected,
+            "host_id": self.host_id,
+            "pending_id": self.pending_id,
+            "url": self._session.url if self.connected and self._session else None,
+            "reconnects": self.reconnects,
+            "connect_failures": self.connect_failures,
+            "emit_failures": self.emit_failures,
+            "sent": dict(self.sent),
+            "dropped": dict(self.outbox.dropped),
+            "outbox_size": len(self.outbox),
+        }
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._running:
+            return
+        self._running = True
+        bus = self.host.bus
+        self._unsubscribe = [
+            bus.subscribe(self._on_instances_changed, ev.InstancesChanged),
+            bus.subscribe(self._on_log_line, ev.LogLine),
+            bus.subscribe(self._on_runtime_state, ev.RuntimeStateChanged),
+            bus.subscribe(self._on_pull_progress, ev.PullProgress),
+            bus.subscribe(self._on_step_log, ev.StepLog),
+            bus.subscribe(self._on_job_lifecycle, ev.JobLifecycle),
+            bus.subscribe(self._on_reservations_changed, ev.ReservationsChanged),
+        ]
+        self._run_task = asyncio.create_task(self._run(), name="control-link")
+        self._tasks = [
+            asyncio.create_task(self._flush_loop(), name="control-outbox"),
+            asyncio.create_task(self._health_loop(), name="control-health"),
+        ]
+
+    async def stop(self) -> None:
+        self._running = False
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
+        # Flags first: a cancellation can be swallowed inside the library's own wait_for
+        # (Python 3.11), so the loops also check `_running` and the session's `closed`.
+        if self._session is not None:
+            self._session.closed.set()
+        self._wake.set()
+        tasks = [t for t in (self._run_task, self._instances_task, *self._tasks) if t]
+        tasks += list(self._background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        self._tasks = []
+        self._run_task = None
+        session, self._session = self._session, None
+        self.outbox.set_accepting(False)
+        if session is not None:
+            await self._close(session)
+
+    async def reconnect(self) -> str:
+        """POST /reconnect: "already_connected", or "reconnecting" with an immediate attempt.
+
+        After a rejection this starts the link again (the admin may have changed their mind).
+        """
+        if not self._running:
+            raise ControlLinkUnavailable("Failed to trigger reconnection")
+        if self.connected:
+            return "already_connected"
+        self.rejected = False
+        self.rejected_reason = None
+        if self._run_task is None or self._run_task.done():
+            self._run_task = asyncio.create_task(self._run(), name="control-link")
+        else:
+            self._wake.set()
+        return "reconnecting"
+
+    # --- the connection loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        base = self.settings.ws_reconnect_delay
+        cap = max(self.settings.ws_reconnect_max_delay, base)
+        delay = base
+        failed_in_round = 0
+        while self._running and not self.rejected:
+            url = self.urls[self._url_index]
+            session = await self._connect(url)
+            if session is None:
+                failed_in_round += 1
+                self._url_index = (self._url_index + 1) % len(self.urls)
+                if failed_in_round < len(self.urls):
+                    continue  # fail over to the next replica at once
+                failed_in_round = 0
+                if await self._backoff(delay):
+                    delay = base
+                else:
+                    delay = min(delay * 2, cap)
+                continue
+            failed_in_round = 0
+            delay = base
+            if not self._running:
+                await self._close(session)
+                break
+            await self._wait_closed(session)
+            await self._end_session(session)
+            if not self._running or self.rejected:
+                break
+            self.reconnects += 1
+            if await self._backoff(delay):
+                delay = base
+        if self.rejected:
+            log.warning(
+                "solar-control rejected this host (%s); not reconnecting until POST /reconnect",
+                self.rejected_reason or "no reason given",
+            )
+
+    async def _backoff(self, delay: float) -> bool:
+        """Sleep about `delay` (jittered down, so the cap holds). True when woken early."""
+        self._wake.clear()
+        woken = await wait_event(self._wake, delay * random.uniform(0.75, 1.0))
+        self._wake.clear()
+        return woken
+
+    async def _connect(self, url: str) -> _Session | None:
+        sio = socketio.AsyncClient(
+            reconnection=False,
+            handle_sigint=False,
+            ssl_verify=not self.settings.insecure,
+            request_timeout=self.connect_timeout_s,
+        )
+        session = _Session(sio=sio, url=url)
+        self._bind_handlers(session)
+        self._session = session
+        auth = {"api_key": self.host.api_key, "host_name": self.settings.effective_host_name}
+        try:
+            # python-socketio waits wait_timeout for the namespace CONNECT; control sends none
+            # when its connect handler fails, so a timeout is just another failed attempt.
+            async with asyncio.timeout(self.connect_timeout_s + 5):
+                await sio.connect(
+                    url,
+                    auth=auth,
+                    namespaces=[NAMESPACE],
+                    socketio_path="socket.io",
+                    transports=["websocket"],
+                    wait_timeout=self.connect_timeout_s,
+                )
+        except (socketio.exceptions.ConnectionError, TimeoutError, OSError, ValueError) as err:
+            self.connect_failures += 1
+            log.info("cannot connect to solar-control at %s: %s", url, err or type(err).__name__)
+            if self._session is session:
+                self._session = None
+            await self._close(session)
+            return None
+        log.info("connected to solar-control at %s", url)
+        return session
+
+    async def _wait_closed(self, session: _Session) -> None:
+        # The disconnect handler sets `closed`; the state check covers a transport that died
+        # without the library calling it.
+        while not session.closed.is_set() and self._running:
+            await wait_event(session.closed, 1.0)
+            if session.sio.eio.state != "connected":
+                session.closed.set()
+
+    async def _end_session(self, session: _Session) -> None:
+        if self._session is session:
+            self._session = None
+        self.outbox.set_accepting(False)
+        self.pending_id = None
+        await self._close(session)
+        log.info("disconnected from solar-control at %s", session.url)
+
+    async def _close(self, session: _Session) -> None:
+        session.closed.set()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await session.sio.disconnect()
+
+    # --- events from control ------------------------------------------------------------------
+
+    def _bind_handlers(self, session: _Session) -> None:
+        sio = session.sio
+
+        async def on_connect() -> None:
+            session.ns_connected = True
+            if session.acked:
+                self._maybe_sync(session)
+            else:
+                # Control reads registration while pending, and stores it for the approval.
+                await self._emit("registration", self.payloads.registration(), session)
+
+        async def on_disconnect(reason: Any = None) -> None:
+            log.info("solar-control link closed: %s", reason)
+            session.ns_connected = False
+            session.closed.set()
+            if self._session is session:
+                self.outbox.set_accepting(False)
+
+        async def on_registration_ack(data: Any = None) -> None:
+            data = data if isinstance(data, dict) else {}
+            self.host_id = data.get("host_id") or self.host_id
+            self.pending_id = None
+            session.ack_seq += 1
+            log.info(
+                "registered with solar-control as %s (%s)", data.get("host_name"), self.host_id
+            )
+            # Often this arrives before the namespace counts as connected (contract 8.2): then
+            # the connect handler runs the sync.
+            self._maybe_sync(session)
+
+        async def on_pending(data: Any = None) -> None:
+            data = data if isinstance(data, dict) else {}
+            self.pending_id = data.get("pending_id")
+            log.warning(
+                "solar-control: waiting for admin approval (pending id %s)", self.pending_id
+            )
+
+        async def on_rejected(data: Any = None) -> None:
+            data = data if isinstance(data, dict) else {}
+            self.rejected = True
+            self.rejected_reason = data.get("reason")
+            log.warning("solar-control rejected this host: %s", self.rejected_reason)
+
+        sio.on("connect", on_connect, namespace=NAMESPACE)
+        sio.on("disconnect", on_disconnect, namespace=NAMESPACE)
+        sio.on("registration_ack", on_registration_ack, namespace=NAMESPACE)
+        sio.on("pending", on_pending, namespace=NAMESPACE)
+        sio.on("rejected", on_rejected, namespace=NAMESPACE)
+        for name in COMMANDS:
+            sio.on(name, self._command_handler(name), namespace=NAMESPACE)
+
+    def _command_handler(self, name: str) -> Callable[..., Coroutine[Any, Any, dict[str, Any]]]:
+        # python-socketio runs each incoming event as its own task, so a start that takes
+        # minutes does not hold up other events; the return value is the ack.
+        async def handler(data: Any = None) -> dict[str, Any]:
+            return await run_command(self.host.services.get("instances"), name, data)
+
+        return handler
+
+    def _maybe_sync(self, session: _Session) -> None:
+        """Run the post-approval sync once per ack, once the namespace is connected."""
+        if session is not self._session or not session.ns_connected:
+            return
+        if session.ack_seq <= session.synced_seq:
+            return
+        session.synced_seq = session.ack_seq
+        self.outbox.set_accepting(True)
+        self._spawn(self._sync(session))
+
+    async def _sync(self, session: _Session) -> None:
+        await self._emit("registration", self.payloads.registration(), session)
+        await self._emit("instances_update", self.payloads.instances_update(), session)
+        await self._emit("host_health", await self.payloads.host_health(), session)
+
+    # --- sending ------------------------------------------------------------------------------
+
+    async def _emit(self, event: str, payload: Any, session: _Session | None = None) -> bool:
+        session = session or self._session
+        if session is None or not session.ns_connected or session.closed.is_set():
+            return False
+        try:
+            async with self._emit_lock:
+                await session.sio.emit(event, payload, namespace=NAMESPACE)
+        except Exception as err:
+            self.emit_failures += 1
+            log.debug("emit %s failed: %s", event, err)
+            return False
+        self.sent[event] += 1
+        return True
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _push_instances(self) -> None:
+        """Send the newest full list until no change is waiting (one send in flight)."""
+        while self._instances_dirty:
+            self._instances_dirty = False
+            session = self._session
+            if session is None or not session.ns_connected:
+                return  # the next (re)connect sends the full list anyway
+            if session.acked:
+                await self._emit("instances_update", self.payloads.instances_update(), session)
+            else:
+                # While pending only registration is read: keep the pending record current.
+                await self._emit("registration", self.payloads.registration(), session)
+
+    async def _flush_loop(self) -> None:
+        interval = self.settings.outbox_flush_interval_s
+        while self._running:
+            await asyncio.sleep(interval)
+            if not len(self.outbox) or not self.registered:
+                continue
+            session = self._session
+            for event, payload in self.outbox.drain():
+                await self._emit(event, payload, session)
+
+    async def _health_loop(self) -> None:
+        interval = self.settings.health_report_interval_s
+        while self._running:
+            if await wait_event(self._health_soon, interval):
+                await asyncio.sleep(HEALTH_DEBOUNCE_S)  # let a burst of changes settle
+            self._health_soon.clear()
+            session = self._session
+            if session is None or not session.ns_connected:
+                continue
+            try:
+                if session.acked:
+                    await self._emit("host_health", await self.payloads.host_health(), session)
+                else:
+                    await self._emit("registration", self.payloads.registration(), session)
+            except Exception:
+                log.exception("building host_health failed")
+
+    # --- bus handlers (memory only: they run inside the publisher) ----------------------------
+
+    def _on_instances_changed(self, event: ev.Event) -> None:
+        if self._session is None:
+            return
+        self._instances_dirty = True
+        if self._instances_task is None or self._instances_task.done():
+            self._instances_task = asyncio.get_running_loop().create_task(self._push_instances())
+        if self.registered:
+            self._health_soon.set()
+
+    def _on_reservations_changed(self, event: ev.Event) -> None:
+        if self.registered:
+            self._health_soon.set()
+
+    def _on_log_line(self, event: ev.Event) -> None:
+        assert isinstance(event, ev.LogLine)
+        self.outbox.put_log(
+            {
+                "instance_id": event.instance_id,
+                "seq": event.seq,
+                "line": event.line,
+                "timestamp": event.timestamp,
+            }
+        )
+
+    def _on_runtime_state(self, event: ev.Event) -> None:
+        assert isinstance(event, ev.RuntimeStateChanged)
+        self.outbox.put_state(
+            event.instance_id,
+            {"instance_id": event.instance_id, "timestamp": event.timestamp, "data": event.state},
+        )
+
+    def _on_pull_progress(self, event: ev.Event) -> None:
+        assert isinstance(event, ev.PullProgress)
+        self.outbox.put_pull_progress(event.payload, timestamp=ev.iso_now())
+
+    def _on_step_log(self, event: ev.Event) -> None:
+        assert isinstance(event, ev.StepLog)
+        self.outbox.put_step_log(event.entry)
+
+    def _on_job_lifecycle(self, event: ev.Event) -> None:
+        assert isinstance(event, ev.JobLifecycle)
+        self.outbox.put_event(event.name, {**event.payload, "host_id": self.host_id})

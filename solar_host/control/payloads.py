@@ -1,0 +1,152 @@
+"""The payloads the host sends to solar-control (control-contract 1.5, 3.1, 3.4, 3.5).
+
+Built from the services at the moment of sending, never cached: control replaces its whole
+copy with every list it receives, so each one must be the current truth. Any service may be
+absent (a host built without jobs or resources); the payloads then leave its part out rather
+than send a null control would choke on (contract section 6, items 4, 5 and 17).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from datetime import datetime
+from typing import Any
+
+from solar_host import __version__
+from solar_host.events import iso_now
+from solar_host.resources.probes import disk_info, memory_info
+
+log = logging.getLogger(__name__)
+
+RUNNING = "running"
+
+
+def _text(value: Any) -> str:
+    return value.value if hasattr(value, "value") else str(value)
+
+
+def _iso(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def instance_entry(instance: Any) -> dict[str, Any]:
+    """The flat entry of contract 3.1. alias, supported_endpoints and backend_type are never
+    null: one null there stops control's gateway registry refresh for every host."""
+    config = instance.config
+    backend_type = getattr(config, "backend_type", None) or "llamacpp"
+    entry: dict[str, Any] = {
+        "id": instance.id,
+        "alias": getattr(config, "alias", None) or "",
+        "status": _text(instance.status),
+        "port": instance.port,
+        "supported_endpoints": list(instance.supported_endpoints or []),
+        "served_model_name": instance.served_model_name,
+        "capabilities": (
+            list(instance.capabilities) if instance.capabilities is not None else None
+        ),
+        "backend_type": backend_type,
+        "priority": _text(instance.priority) if instance.priority else "production",
+        "managed_by": instance.managed_by,
+        "intent_id": instance.intent_id,
+        "model_source": getattr(config, "model_source", None),
+        "created_at": _iso(instance.created_at),
+    }
+    if backend_type == "llamacpp":
+        ctx = getattr(config, "ctx_size", None)
+        if isinstance(ctx, int):
+            entry["ctx_size"] = ctx
+    return entry
+
+
+class PayloadBuilder:
+    """Reads the host's services to build each payload."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    def _service(self, name: str) -> Any:
+        return self.host.services.get(name)
+
+    # --- facts -------------------------------------------------------------------------------
+
+    def instances(self) -> list[Any]:
+        service = self._service("instances")
+        return list(service.list()) if service is not None else []
+
+    def instance_entries(self) -> list[dict[str, Any]]:
+        return [instance_entry(i) for i in self.instances()]
+
+    def roles(self) -> list[str]:
+        """Never empty: `roles: []` in host_health clears the roles control placed by."""
+        roles = ["inference"]
+        jobs = self._service("jobs")
+        if jobs is not None and getattr(jobs, "available", False):
+            roles.append("training")
+        return roles
+
+    def supported_backends(self) -> list[str]:
+        service = self._service("instances")
+        if service is None:
+            return []
+        return list(service.supported_backends())
+
+    def gpu_type(self) -> str:
+        try:
+            return self.host.probe.gpu_type()
+        except Exception as err:
+            log.warning("gpu type probe failed: %s", err)
+            return "cpu"
+
+    # --- payloads ----------------------------------------------------------------------------
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "host_name": self.host.settings.effective_host_name,
+            "instances": self.instance_entries(),
+            "roles": self.roles(),
+            "gpu_type": self.gpu_type(),
+            "supported_backends": self.supported_backends(),
+            "version": __version__,
+        }
+
+    def instances_update(self) -> dict[str, Any]:
+        return {"timestamp": iso_now(), "data": {"instances": self.instance_entries()}}
+
+    async def host_health(self) -> dict[str, Any]:
+        instances = self.instances()
+        data: dict[str, Any] = {
+            "gpu_type": self.gpu_type(),
+            "roles": self.roles(),
+            "supported_backends": self.supported_backends(),
+            "version": __version__,
+            "instance_count": len(instances),
+            "running_instance_count": sum(1 for i in instances if _text(i.status) == RUNNING),
+        }
+        memory = memory_info(self.host.probe)
+        if memory is not None:  # a partial MemoryInfo would poison control's host row
+            data["memory"] = memory
+        disk = disk_info(self.host.probe, self.host.settings.models_dir)
+        if disk is not None:
+            data["disk_total_gb"] = disk["total_gb"]
+            data["disk_used_gb"] = disk["used_gb"]
+            data["disk_available_gb"] = disk["available_gb"]
+        resources = self._service("resources")
+        if resources is not None:
+            try:
+                data["resources"] = await _maybe_await(resources.snapshot())
+                data["reservations"] = await _maybe_await(resources.health_summary())
+            except Exception as err:
+                log.warning("resource snapshot for host_health failed: %s", err)
+                data.pop("resources", None)
+        return {"timestamp": iso_now(), "data": data}
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value

@@ -1,0 +1,682 @@
+"""The control link against a real Socket.IO server playing solar-control (tests/fixtures).
+
+Payloads are validated with pydantic models written from control-contract tables 1.5, 3.1,
+3.5, so a shape control would reject fails here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from solar_host import __version__
+from solar_host.app import Host
+from solar_host.control.client import ControlLink, ControlLinkUnavailable
+from solar_host.events import (
+    InstancesChanged,
+    JobLifecycle,
+    LogLine,
+    PullProgress,
+    ReservationsChanged,
+    RuntimeStateChanged,
+    StepLog,
+)
+from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
+from solar_host.instances.schemas import Instance
+from solar_host.resources.probes import LiveProbe
+from solar_host.settings import Settings
+from tests.fixtures.control_server import ControlServer, free_port
+
+KEY = "test-host-key-0123456789"
+
+# --- the contract, as pydantic models ---------------------------------------------------------
+
+
+class FlatInstance(BaseModel):
+    """Contract 3.1; RegistryEntry strictness: alias/supported_endpoints/backend_type never null."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: StrictStr
+    alias: StrictStr
+    status: Literal["stopped", "starting", "running", "failed", "stopping"]
+    port: StrictInt | None
+    supported_endpoints: list[StrictStr]
+    served_model_name: StrictStr | None
+    capabilities: list[StrictStr] | None
+    backend_type: StrictStr
+    priority: Literal["production", "staging", "ephemeral"]
+    managed_by: Literal["intent"] | None
+    intent_id: StrictStr | None
+    model_source: StrictStr | None
+    ctx_size: StrictInt | None = None
+    created_at: StrictStr
+
+
+class WSRegistration(BaseModel):
+    api_key: StrictStr | None = None
+    host_name: StrictStr | None = None
+    instances: list[FlatInstance] = []
+    gpu_type: Literal["nvidia_cuda", "apple_mps", "cpu"] | None = None
+    roles: list[StrictStr] = Field(min_length=1)
+    supported_backends: list[StrictStr] | None = None
+    version: StrictStr | None = None
+
+
+class MemoryInfo(BaseModel):
+    used_gb: float
+    total_gb: float
+    available_gb: float | None = None
+    percent: float
+    memory_type: Literal["VRAM", "RAM"]
+
+
+class HealthData(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    memory: MemoryInfo
+    gpu_type: StrictStr
+    roles: list[StrictStr] = Field(min_length=1)
+    supported_backends: list[StrictStr]
+    disk_total_gb: float
+    disk_used_gb: float
+    disk_available_gb: float
+    version: StrictStr
+    instance_count: StrictInt
+    running_instance_count: StrictInt
+    resources: dict[str, Any]
+    reservations: dict[str, Any]
+
+
+class HostHealth(BaseModel):
+    timestamp: StrictStr
+    data: HealthData
+
+
+class InstancesUpdate(BaseModel):
+    timestamp: StrictStr
+    data: dict[Literal["instances"], list[FlatInstance]]
+
+
+class LogEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instance_id: StrictStr
+    seq: StrictInt
+    line: StrictStr
+    timestamp: StrictStr
+
+
+class StepLogEntry(BaseModel):
+    job_id: StrictStr
+    step_name: StrictStr | None
+    step_index: StrictInt | None
+    stream: StrictStr | None
+    seq: StrictInt
+    line: StrictStr
+    completed: StrictBool = False
+    exit_code: StrictInt | None = None
+    timestamp: StrictStr
+
+
+# --- fakes for what the link reads -----------------------------------------------------------
+
+
+class FakeInstances:
+    """The instance-service interface the link uses; publishes InstancesChanged before it
+    returns, as the manager does."""
+
+    def __init__(self, bus: Any, start_delay: float = 0.0):
+        self.bus = bus
+        self.start_delay = start_delay
+        self.items: dict[str, Instance] = {}
+        self.calls: list[tuple[str, Any]] = []
+        self._n = 0
+
+    def list(self) -> list[Instance]:
+        return list(self.items.values())
+
+    def supported_backends(self) -> list[str]:
+        return ["llamacpp"]
+
+    def _get(self, instance_id: str) -> Instance:
+        if instance_id not in self.items:
+            raise InstanceNotFound(instance_id)
+        return self.items[instance_id]
+
+    @staticmethod
+    def _copy(inst: Instance, **changes: Any) -> Instance:
+        return Instance.model_validate({**inst.model_dump(), **changes})
+
+    def _set(self, inst: Instance, reason: str) -> Instance:
+        self.items[inst.id] = inst
+        self.bus.publish(InstancesChanged(inst.id, inst.status.value, reason))
+        return inst
+
+    async def create(self, config: dict, priority=None, managed_by=None, intent_id=None):
+        self.calls.append(("create", config))
+        self._n += 1
+        inst = Instance(
+            id=f"inst-{self._n}",
+            config=config,
+            created_at=datetime.now(UTC),
+            priority=priority or "production",
+            managed_by=managed_by,
+            intent_id=intent_id,
+            supported_endpoints=["/v1/chat/completions", "/v1/completions", "/v1/models"],
+            capabilities=["completion"],
+        )
+        return self._set(inst, "created")
+
+    async def update(self, instance_id: str, fields: dict):
+        self.calls.append(("update", (instance_id, fields)))
+        inst = self._get(instance_id)
+        changes = {k: v for k, v in fields.items() if k != "config"}
+        return self._set(self._copy(inst, **changes), "updated")
+
+    async def delete(self, instance_id: str):
+        inst = self._get(instance_id)
+        if inst.status.value == "running":
+            raise InstanceConflict("Cannot delete a running instance; stop it first")
+        del self.items[instance_id]
+        self.bus.publish(InstancesChanged(instance_id, None, "deleted"))
+        return inst
+
+    async def start(self, instance_id: str):
+        self.calls.append(("start", instance_id))
+        inst = self._get(instance_id)
+        if inst.config.alias == "broken":
+            raise StartFailed(instance_id, "Process exited with code 1", 1, ["boom"])
+        await asyncio.sleep(self.start_delay)
+        return self._set(self._copy(inst, status="running", port=3500), "started")
+
+    async def stop(self, instance_id: str):
+        inst = self._get(instance_id)
+        return self._set(self._copy(inst, status="stopped", port=None), "stopped")
+
+    async def restart(self, instance_id: str):
+        await self.stop(instance_id)
+        return await self.start(instance_id)
+
+
+SNAPSHOT = {
+    "memory_type": "RAM",
+    "vram": None,
+    "ram": {
+        "total_gb": 64.0,
+        "system_used_gb": 8.5,
+        "reserved_headroom_gb": 0.0,
+        "reported_used_gb": 8.5,
+        "available_gb": 55.5,
+    },
+    "disk": None,
+    "reservations": [],
+}
+
+
+class FakeResources:
+    def snapshot(self) -> dict:
+        return json.loads(json.dumps(SNAPSHOT))
+
+    def health_summary(self) -> dict:
+        return {"active_count": 0, "ram": {"total_gb": 64.0}}
+
+
+class FakeJobs:
+    available = True
+
+
+def make_host(tmp_path: Path, urls: str, **settings: Any) -> Host:
+    values: dict[str, Any] = {
+        "solar_control_url": urls,
+        "api_key": KEY,
+        "host_name": "test-host",
+        "config_file": tmp_path / "config.json",
+        "models_dir": tmp_path / "models",
+        "ws_reconnect_delay": 0.05,
+        "ws_reconnect_max_delay": 0.3,
+        "health_report_interval_s": 30.0,
+        "outbox_flush_interval_s": 0.05,
+    }
+    values.update(settings)
+    host = Host(settings=Settings(**values), probe=LiveProbe())
+    host.api_key = KEY
+    host.add("instances", FakeInstances(host.bus), lifecycle=False)
+    host.add("resources", FakeResources(), lifecycle=False)
+    return host
+
+
+async def started_link(host: Host, **kw: Any) -> ControlLink:
+    link = ControlLink(host, **kw)
+    host.add("control", link, lifecycle=False)
+    await link.start()
+    return link
+
+
+async def wait_for(predicate: Any, within_s: float = 5.0) -> Any:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise TimeoutError("condition not met")
+
+
+@pytest.fixture
+async def server():
+    srv = ControlServer()
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def known_server():
+    srv = ControlServer(known_keys={KEY: "host-1"})
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def link_factory():
+    links: list[ControlLink] = []
+
+    async def make(host: Host, **kw: Any) -> ControlLink:
+        link = await started_link(host, **kw)
+        links.append(link)
+        return link
+
+    yield make
+    for link in links:
+        await link.stop()
+
+
+# --- registration and approval ----------------------------------------------------------------
+
+
+async def test_pending_approve_ack_then_full_sync(tmp_path, server, link_factory):
+    host = make_host(tmp_path, server.url + "/ws/host-channel", health_report_interval_s=0.3)
+    host.add("jobs", FakeJobs(), lifecycle=False)
+    await host.instances.create(
+        {"backend_type": "llamacpp", "alias": "tiny:1b", "model": "/m.gguf"}
+    )
+    link = await link_factory(host)
+
+    pending_id = await server.wait_until(lambda: server.pending_ids() and server.pending_ids()[0])
+    assert server.connects == [{"api_key": KEY, "host_name": "test-host"}]
+    await wait_for(lambda: link.pending_id == pending_id)
+    # While pending: registration (full), repeated; nothing else is sent.
+    regs = await server.wait_event("registration", count=2, within_s=3)
+    reg = WSRegistration.model_validate(regs[0])
+    assert reg.host_name == "test-host" and reg.version == __version__
+    assert reg.roles == ["inference", "training"] and reg.supported_backends == ["llamacpp"]
+    assert [i.alias for i in reg.instances] == ["tiny:1b"] and reg.instances[0].ctx_size
+    assert {r.event for r in server.received} == {"registration"}
+    assert link.connected and not link.registered
+    assert await link.reconnect() == "already_connected"
+
+    host_id = await server.approve(pending_id)
+    await server.wait_event("host_health", approved=True)
+    approved = [r.event for r in server.received if r.approved]
+    assert approved[:3] == ["registration", "instances_update", "host_health"]
+    assert link.host_id == host_id and link.registered
+    InstancesUpdate.model_validate(server.events("instances_update")[0])
+    health = HostHealth.model_validate(server.events("host_health")[0])
+    assert health.data.resources == SNAPSHOT
+    assert json.dumps(server.events("host_health")[0]["data"]["resources"]) == json.dumps(SNAPSHOT)
+    assert health.data.instance_count == 1 and health.data.running_instance_count == 0
+    # And the cadence: host_health keeps coming every HEALTH_REPORT_INTERVAL_S.
+    t0 = time.monotonic()
+    await server.wait_event("host_health", count=3, within_s=3)
+    assert time.monotonic() - t0 < 1.5
+    for body in server.events("host_health"):
+        HostHealth.model_validate(body)
+
+
+async def test_known_key_gets_ack_before_connect_and_still_syncs(
+    tmp_path, known_server, link_factory
+):
+    """Control emits registration_ack inside its connect handler: it reaches the client before
+    the namespace counts as connected (contract 8.2). The sync must still happen."""
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await known_server.wait_event("host_health")
+    events = [r.event for r in known_server.received]
+    assert events[:3] == ["registration", "instances_update", "host_health"]
+    assert events.count("registration") == 1  # one sync, not one per handler
+    assert link.host_id == "host-1" and not known_server.pending_ids()
+    assert link.metrics()["sent"]["host_health"] == 1
+
+
+async def test_reject_stops_reconnecting_until_reconnect(tmp_path, server, link_factory):
+    host = make_host(tmp_path, server.url)
+    link = await link_factory(host)
+    pending_id = await server.wait_until(lambda: server.pending_ids() and server.pending_ids()[0])
+    await server.reject(pending_id)
+    await wait_for(lambda: link.rejected and not link.connected)
+    await asyncio.sleep(1.0)  # 3x the backoff cap: no new attempt
+    assert len(server.connects) == 1
+    assert link.metrics()["rejected"] is True
+
+    assert await link.reconnect() == "reconnecting"
+    await server.wait_until(lambda: len(server.connects) == 2 and server.pending_ids())
+    assert not link.rejected
+
+
+async def test_reconnect_route_answers_like_the_reference(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    assert await link.reconnect() == "already_connected"
+    await link.stop()
+    with pytest.raises(ControlLinkUnavailable):
+        await link.reconnect()
+
+
+async def test_reconnect_wakes_the_backoff_at_once(tmp_path, link_factory):
+    port = free_port()
+    host = make_host(
+        tmp_path, f"http://127.0.0.1:{port}", ws_reconnect_delay=5.0, ws_reconnect_max_delay=5.0
+    )
+    link = await link_factory(host)
+    await wait_for(lambda: link.connect_failures >= 1)
+    srv = ControlServer(known_keys={KEY: "h"}, port=port)
+    await srv.start()
+    try:
+        t0 = time.monotonic()
+        assert await link.reconnect() == "reconnecting"
+        await wait_for(lambda: link.registered, within_s=3)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        await link.stop()
+        await srv.stop()
+
+
+# --- reconnects and fail-over -----------------------------------------------------------------
+
+
+async def test_control_restart_on_same_port_reconnects_within_the_cap(
+    tmp_path, known_server, link_factory
+):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    await known_server.stop()
+    await wait_for(lambda: not link.connected)
+    await asyncio.sleep(0.5)  # some failed attempts while control is away
+    assert link.connect_failures >= 1
+    known_server.received.clear()
+    t0 = time.monotonic()
+    await known_server.start()
+    await known_server.wait_event("host_health", within_s=3)
+    assert time.monotonic() - t0 < 0.3 + 0.5  # cap 0.3 s plus connect time
+    assert link.reconnects == 1 and link.registered
+    assert [r.event for r in known_server.received][:3] == [
+        "registration",
+        "instances_update",
+        "host_health",
+    ]
+
+
+async def test_fails_over_to_the_second_url(tmp_path, known_server, link_factory):
+    dead = f"http://127.0.0.1:{free_port()}"
+    host = make_host(tmp_path, f"{dead},{known_server.url}")
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered, within_s=2)
+    assert link.metrics()["url"] == known_server.url
+    assert link.connect_failures == 1
+
+
+async def test_connect_timeout_is_retried(tmp_path, known_server, link_factory):
+    known_server.hang_connect = True
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host, connect_timeout_s=0.3)
+    await wait_for(lambda: link.connect_failures >= 2, within_s=4)
+    known_server.hang_connect = False
+    await wait_for(lambda: link.registered, within_s=4)
+
+
+# --- telemetry --------------------------------------------------------------------------------
+
+
+async def test_instances_update_follows_each_change_promptly(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await known_server.wait_event("host_health")
+    n0 = len(known_server.events("instances_update"))
+    t0 = time.monotonic()
+    inst = await host.instances.create({"backend_type": "llamacpp", "alias": "a:1b", "model": "/a"})
+    updates = await known_server.wait_event("instances_update", count=n0 + 1, within_s=2)
+    assert time.monotonic() - t0 < 0.5
+    assert [i["id"] for i in updates[-1]["data"]["instances"]] == [inst.id]
+    # A burst: at most one send in flight, and the last list is the newest.
+    for _ in range(20):
+        await host.instances.start(inst.id)
+        await host.instances.stop(inst.id)
+    await host.instances.start(inst.id)
+    await known_server.wait_until(
+        lambda: (
+            known_server.events("instances_update")[-1]["data"]["instances"][0]["status"]
+            == "running"
+        )
+    )
+    sent = len(known_server.events("instances_update")) - n0 - 1
+    assert 1 <= sent <= 41
+    entry = FlatInstance.model_validate(
+        known_server.events("instances_update")[-1]["data"]["instances"][0]
+    )
+    assert entry.port == 3500 and entry.supported_endpoints
+    assert link.sent["instances_update"] == len(known_server.events("instances_update"))
+
+
+async def test_reservation_change_pushes_health_early(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url, health_report_interval_s=30.0)
+    await link_factory(host)
+    await known_server.wait_event("host_health")
+    t0 = time.monotonic()
+    for _ in range(5):  # a burst is debounced into one push
+        host.bus.publish(ReservationsChanged("created"))
+    await known_server.wait_event("host_health", count=2, within_s=2)
+    assert time.monotonic() - t0 < 1.0
+    await asyncio.sleep(0.4)
+    assert len(known_server.events("host_health")) == 2
+
+
+async def test_log_flood_is_batched_capped_and_never_blocks(tmp_path, known_server, link_factory):
+    host = make_host(
+        tmp_path, known_server.url, outbox_max_entries=500, outbox_flush_interval_s=0.2
+    )
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    now = datetime.now(UTC).isoformat()
+    t0 = time.perf_counter()
+    for i in range(20_000):
+        host.bus.publish(LogLine("inst-1", i, now, f"line {i}"))
+    for i in range(10):
+        host.bus.publish(RuntimeStateChanged("inst-1", now, {"busy": True, "n": i}))
+    publish_s = time.perf_counter() - t0
+    assert publish_s < 1.0, publish_s  # ~10 us per publish, whatever the socket does
+    batches = await known_server.wait_event("log_batch")
+    await known_server.wait_event("instance_state_batch")
+    entries = [LogEntry.model_validate(e) for b in batches for e in b["entries"]]
+    assert len(entries) <= 500
+    assert entries[-1].seq == 19_999
+    assert link.metrics()["dropped"]["log"] >= 19_500
+    (state_batch,) = known_server.events("instance_state_batch")
+    assert [e["data"]["n"] for e in state_batch["entries"]] == [9]
+    assert link.metrics()["sent"]["log_batch"] == len(batches)
+
+
+async def test_jobs_pulls_and_step_logs_pass_through(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    now = datetime.now(UTC).isoformat()
+    bus = host.bus
+    bus.publish(
+        JobLifecycle(
+            "job_started", {"job_id": "j1", "name": "n", "status": "running", "timestamp": now}
+        )
+    )
+    for seq in range(3):
+        bus.publish(
+            StepLog(
+                {
+                    "job_id": "j1",
+                    "step_name": "s",
+                    "step_index": 0,
+                    "stream": "stdout",
+                    "seq": seq,
+                    "line": f"l{seq}",
+                    "timestamp": now,
+                }
+            )
+        )
+    bus.publish(
+        StepLog(
+            {
+                "job_id": "j1",
+                "step_name": "s",
+                "step_index": 0,
+                "stream": "stdout",
+                "seq": 3,
+                "line": "",
+                "completed": True,
+                "exit_code": 0,
+                "timestamp": now,
+            }
+        )
+    )
+    bus.publish(
+        PullProgress(
+            {
+                "source_uri": "repo://m:1",
+                "phase": "downloading",
+                "bytes_done": 1,
+                "bytes_total": 2,
+                "speed_bps": 1.0,
+            }
+        )
+    )
+    bus.publish(
+        PullProgress(
+            {
+                "source_uri": "repo://m:1",
+                "phase": "completed",
+                "bytes_done": 2,
+                "bytes_total": 2,
+                "speed_bps": None,
+            }
+        )
+    )
+    (started,) = await known_server.wait_event("job_started")
+    assert started["host_id"] == "host-1" and started["job_id"] == "j1"
+    (steps,) = await known_server.wait_event("step_log")
+    parsed = [StepLogEntry.model_validate(e) for e in steps["entries"]]
+    assert [e.seq for e in parsed] == [0, 1, 2, 3] and parsed[-1].completed
+    pulls = await known_server.wait_event("pull_progress", count=2)
+    assert [p["data"]["phase"] for p in pulls] == ["downloading", "completed"]
+    assert all(isinstance(p["timestamp"], str) for p in pulls)
+
+
+async def test_unreachable_control_never_delays_anything(tmp_path, link_factory):
+    host = make_host(tmp_path, f"http://127.0.0.1:{free_port()}")
+    link = await link_factory(host)
+    now = datetime.now(UTC).isoformat()
+    t0 = time.perf_counter()
+    inst = await host.instances.create({"backend_type": "llamacpp", "alias": "x", "model": "/x"})
+    await host.instances.start(inst.id)
+    for i in range(1000):
+        host.bus.publish(LogLine(inst.id, i, now, "x"))
+    host.bus.publish(JobLifecycle("job_failed", {"job_id": "j"}))
+    host.bus.publish(ReservationsChanged())
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.1, elapsed
+    assert not link.connected
+    assert link.metrics()["dropped"]["log"] == 1000
+    assert link.metrics()["dropped"]["job_lifecycle"] == 1
+    assert await link.reconnect() == "reconnecting"
+
+
+# --- commands over the socket -----------------------------------------------------------------
+
+
+async def test_commands_answer_through_acks(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    host.instances.start_delay = 1.0
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    call = known_server.call
+
+    created = await call(
+        "create_instance",
+        {
+            "config": {"backend_type": "llamacpp", "alias": "c:1b", "model": "/c.gguf"},
+            "priority": "staging",
+            "managed_by": "intent",
+            "intent_id": "i-1",
+        },
+    )
+    assert created["ok"] is True
+    inst = Instance.model_validate(created["instance"])
+    assert inst.priority == "staging" and inst.intent_id == "i-1"
+    iid = inst.id
+
+    # A slow start does not hold up other commands on the same socket.
+    t0 = time.monotonic()
+    start = asyncio.create_task(call("start_instance", {"instance_id": iid}))
+    await asyncio.sleep(0.1)
+    updated = await call(
+        "update_instance", {"instance_id": iid, "managed_by": None, "intent_id": None}
+    )
+    assert time.monotonic() - t0 < 0.8
+    assert updated["ok"] and updated["instance"]["managed_by"] is None
+    assert host.instances.calls[-1] == ("update", (iid, {"managed_by": None, "intent_id": None}))
+    started = await start
+    assert started["ok"] and started["instance"]["status"] == "running"
+
+    conflict = await call("delete_instance", {"instance_id": iid})
+    assert conflict == {
+        "ok": False,
+        "status": 409,
+        "detail": "Cannot delete a running instance; stop it first",
+    }
+    assert (await call("stop_instance", {"instance_id": iid}))["instance"]["status"] == "stopped"
+    assert (await call("restart_instance", {"instance_id": iid}))["ok"]
+    await call("stop_instance", {"instance_id": iid})
+    assert (await call("delete_instance", {"instance_id": iid}))["ok"]
+
+    missing = await call("start_instance", {"instance_id": "nope"})
+    assert missing == {"ok": False, "status": 404, "detail": "Instance not found"}
+    no_id = await call("stop_instance", {})
+    assert no_id["ok"] is False and no_id["status"] == 400 and "instance_id" in no_id["detail"]
+    bad = await call("create_instance", {"priority": "urgent"})
+    assert bad["status"] == 422
+    assert {tuple(e["loc"]) for e in bad["detail"]} == {("config",), ("priority",)}
+
+    broken = await call(
+        "create_instance",
+        {"config": {"backend_type": "llamacpp", "alias": "broken", "model": "/b"}},
+    )
+    failed = await call("start_instance", {"instance_id": broken["instance"]["id"]})
+    assert failed["ok"] is False and failed["status"] == 500
+    assert failed["exit_code"] == 1 and failed["log_tail"] == ["boom"]
+    assert "Process exited" in failed["detail"]
+
+
+async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
+    from solar_host.app import build_host
+
+    base = {"api_key": KEY, "config_file": tmp_path / "c.json", "models_dir": tmp_path / "m"}
+    standalone = build_host(Settings(**base))
+    assert standalone.services.get("control") is None
+    linked = build_host(Settings(**base, solar_control_url="ws://127.0.0.1:9/ws/host-channel"))
+    assert isinstance(linked.services["control"], ControlLink)
+    assert linked.services["control"].urls == ["http://127.0.0.1:9"]
+    assert linked.lifecycle[-1] is linked.services["control"]
