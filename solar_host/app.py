@@ -12,7 +12,6 @@ import secrets
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -57,6 +56,14 @@ def resolve_api_key(settings: Settings) -> tuple[str, bool]:
 
 
 @dataclass
+class _Lifecycle:
+    """Adapter for services whose start/stop names are taken by their domain (instances)."""
+
+    start: Any
+    stop: Any
+
+
+@dataclass
 class Host:
     """Every service of one host, built from one Settings object."""
 
@@ -80,7 +87,9 @@ class Host:
 
     def add(self, name: str, service: Any, *, lifecycle: bool = True) -> Any:
         self.services[name] = service
-        if lifecycle and hasattr(service, "start"):
+        if lifecycle and hasattr(service, "startup"):
+            self.lifecycle.append(_Lifecycle(service.startup, service.shutdown))
+        elif lifecycle and hasattr(service, "start"):
             self.lifecycle.append(service)
         return service
 
@@ -138,6 +147,10 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     store = overrides.pop("models", None) or ModelStore(settings, bus=host.bus, probe=host.probe)
     host.add("models", store)
     # --- jobs ----------------------------------------------------------------------------------
+    from solar_host.jobs.service import JobService
+
+    jobs = overrides.pop("jobs", None) or JobService(settings, bus=host.bus, probe=host.probe)
+    host.add("jobs", jobs)
 
     manager = overrides.pop("instances", None) or InstanceManager(
         settings=settings,
@@ -190,6 +203,9 @@ def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any
     for module in (system, instances, streams, docs):
         app.include_router(module.router)
     # --- feature routers (models, jobs, resources, metrics) -----------------------------------
+    from solar_host.api import jobs as jobs_api
+
+    app.include_router(jobs_api.router)
     from solar_host.api import resources as resources_api
 
     app.include_router(resources_api.router)
@@ -242,6 +258,3 @@ def install_openapi_security(app: FastAPI) -> None:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-
-def default_paths_exist(settings: Settings) -> bool:
-    return Path(settings.config_file).exists()

@@ -34,6 +34,8 @@ class ProcessRecord(BaseModel):
     port: int
     log_file: str | None = None
     spawned_at: str | None = None
+    # seq of the first line of this log file, so seqs continue after a re-adoption.
+    seq_base: int = 0
 
 
 class StoredInstance(BaseModel):

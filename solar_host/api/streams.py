@@ -1,0 +1,125 @@
+"""WebSocket streams of an instance's log lines and runtime state.
+
+Each client reads the ring at its own pace: the host never waits for a client. A client that
+falls behind by more than the ring gets a gap marker and continues from the oldest line kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from solar_host.instances.errors import InstanceNotFound
+
+router = APIRouter()
+
+SEND_TIMEOUT_S = 10.0
+BATCH = 500
+
+
+async def _send_text(ws: WebSocket, text: str) -> None:
+    await asyncio.wait_for(ws.send_text(text), SEND_TIMEOUT_S)
+
+
+@router.websocket("/instances/{instance_id}/logs")
+async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = None) -> None:
+    await ws.accept()
+    manager = ws.app.state.host.instances
+    try:
+        sup = manager.supervisor(instance_id)
+    except InstanceNotFound:
+        await ws.send_json({"error": "Instance not found"})
+        await ws.close(code=1008)
+        return
+    next_seq = since_seq if since_seq is not None and since_seq >= 0 else sup.ring.first_seq
+    closed = asyncio.create_task(_wait_closed(ws))
+    try:
+        while not closed.done():
+            ring = sup.ring  # re-read: a re-adoption replaces the ring
+            changed = ring.changed()
+            gap, entries = ring.since(next_seq)
+            if gap is not None and gap < ring.first_seq:
+                await _send_text(
+                    ws, json.dumps({"gap": {"from_seq": gap, "to_seq": ring.first_seq - 1}})
+                )
+            for i in range(0, len(entries), BATCH):
+                chunk = entries[i : i + BATCH]
+                for e in chunk:
+                    await _send_text(
+                        ws,
+                        json.dumps(
+                            {"seq": e.seq, "timestamp": e.timestamp, "line": e.line},
+                            ensure_ascii=False,
+                        ),
+                    )
+            if entries:
+                next_seq = entries[-1].seq + 1
+            elif gap is not None:
+                next_seq = ring.first_seq
+            if manager.supervisors.get(instance_id) is not sup:
+                break  # deleted
+            await asyncio.wait(
+                [asyncio.ensure_future(changed.wait()), closed], return_when=asyncio.FIRST_COMPLETED
+            )
+    except (WebSocketDisconnect, TimeoutError, RuntimeError):
+        pass
+    finally:
+        closed.cancel()
+        with contextlib.suppress(Exception):
+            await ws.close()
+
+
+async def _wait_closed(ws: WebSocket) -> None:
+    with contextlib.suppress(Exception):
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+
+
+@router.websocket("/instances/{instance_id}/state")
+async def stream_state(ws: WebSocket, instance_id: str) -> None:
+    await ws.accept()
+    manager = ws.app.state.host.instances
+    try:
+        sup = manager.supervisor(instance_id)
+    except InstanceNotFound:
+        await ws.send_json({"error": "Instance not found"})
+        await ws.close(code=1008)
+        return
+    from solar_host.events import RuntimeStateChanged
+
+    queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=256)
+
+    def on_state(event: RuntimeStateChanged) -> None:  # type: ignore[override]
+        if event.instance_id != instance_id:
+            return
+        msg = {"type": "instance_state", "timestamp": event.timestamp, "data": event.state}
+        if queue.full():  # a slow client only ever misses intermediate states
+            with contextlib.suppress(asyncio.QueueEmpty):
+                queue.get_nowait()
+        queue.put_nowait(msg)
+
+    unsubscribe = manager.bus.subscribe(on_state, RuntimeStateChanged)  # type: ignore[arg-type]
+    closed = asyncio.create_task(_wait_closed(ws))
+    try:
+        await _send_text(
+            ws, json.dumps({"type": "instance_state", "data": sup.telemetry.snapshot()})
+        )
+        while not closed.done():
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait([getter, closed], return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                break
+            await _send_text(ws, json.dumps(getter.result()))
+    except (WebSocketDisconnect, TimeoutError, RuntimeError):
+        pass
+    finally:
+        unsubscribe()
+        closed.cancel()
+        with contextlib.suppress(Exception):
+            await ws.close()

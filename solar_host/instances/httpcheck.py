@@ -1,0 +1,59 @@
+"""A minimal HTTP GET for health checks and metrics scrapes of local backends.
+
+Deliberately tiny: one connection per call, HTTP/1.0, no pooling, so a hung backend can never
+wedge a shared client and the cost per probe is a few hundred microseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+def probe_address(bind_host: str) -> str:
+    """Where the host reaches a backend that binds `bind_host`."""
+    if bind_host in ("0.0.0.0", "", "::", "[::]"):
+        return "127.0.0.1"
+    return bind_host
+
+
+async def http_get(
+    host: str, port: int, path: str, *, bearer: str | None = None, timeout: float = 1.0,
+    max_bytes: int = 4 * 1024 * 1024,
+) -> tuple[int, bytes]:
+    """(status, body) of GET http://host:port/path; raises OSError/TimeoutError on failure."""
+
+    async def run() -> tuple[int, bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            auth = f"Authorization: Bearer {bearer}\r\n" if bearer else ""
+            writer.write(
+                f"GET {path} HTTP/1.0\r\nHost: {host}:{port}\r\n{auth}"
+                "Connection: close\r\n\r\n".encode("latin-1")
+            )
+            await writer.drain()
+            data = await reader.read(max_bytes)
+            while len(data) < max_bytes:
+                more = await reader.read(max_bytes - len(data))
+                if not more:
+                    break
+                data += more
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        head, _, body = data.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].split()
+        if len(status_line) < 2 or not status_line[1].isdigit():
+            raise OSError("malformed HTTP response")
+        return int(status_line[1]), body
+
+    return await asyncio.wait_for(run(), timeout)
+
+
+async def is_healthy(host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0) -> bool:
+    try:
+        status, _ = await http_get(host, port, path, bearer=bearer, timeout=timeout, max_bytes=65536)
+    except (OSError, TimeoutError, asyncio.IncompleteReadError):
+        return False
+    return status == 200

@@ -1,0 +1,382 @@
+"""The instance service: records, their supervisors, persistence, boot and shutdown.
+
+The REST routes and the Socket.IO commands both call these methods; nothing here knows about
+either. Reads are snapshots; `list_json()` caches the serialized list, because solar-control
+polls `GET /instances` every second or two for hosts it cannot see over the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from solar_host.backends.base import HostFacts
+from solar_host.backends.registry import BackendRegistry
+from solar_host.events import EventBus, InstancesChanged
+from solar_host.instances.errors import (
+    InstanceConflict,
+    InstanceNotFound,
+    InvalidInstanceConfig,
+)
+from solar_host.instances.logs import (
+    InotifyHub,
+    file_mtime_iso,
+    files_of,
+    prune_log_files,
+    tail_lines,
+)
+from solar_host.instances.ports import PortAllocator
+from solar_host.instances.schemas import (
+    ConfigError,
+    Instance,
+    Priority,
+    parse_config,
+)
+from solar_host.instances.states import ACTIVE, InstanceStatus
+from solar_host.instances.store import InstanceStore, StoredInstance
+from solar_host.instances.supervisor import Supervisor
+from solar_host.resources.probes import SystemProbe
+from solar_host.settings import Settings
+
+log = logging.getLogger(__name__)
+S = InstanceStatus
+DEFAULT_ROLES = ["inference"]
+
+
+class InstanceManager:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        bus: EventBus,
+        backends: BackendRegistry,
+        probe: SystemProbe,
+        api_key: Callable[[], str],
+        models_in_store: Any = None,
+    ):
+        self.settings = settings
+        self.bus = bus
+        self.backends = backends
+        self.probe = probe
+        self.api_key = api_key
+        self.store = InstanceStore(settings.config_file, settings.models_dir)
+        self.supervisors: dict[str, Supervisor] = {}
+        self.roles = list(DEFAULT_ROLES)
+        self.ports = PortAllocator(settings.start_port, self._held_ports)
+        self.inotify: InotifyHub | None = None
+        self.manifest_lookup: Callable[[str], Path | None] | None = None
+        self._facts: HostFacts | None = None
+        self._list_cache: bytes | None = None
+        self._boot_task: asyncio.Task[None] | None = None
+        self._prune_task: asyncio.Task[Any] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
+        self.boot_done = asyncio.Event()
+
+    # --- lifecycle of the service ------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Service start: load records, re-adopt or boot-start backends (in the background)."""
+        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        self.settings.models_dir.mkdir(parents=True, exist_ok=True)
+        self.inotify = InotifyHub()
+        result = await asyncio.to_thread(self.store.load)
+        if result.roles:
+            self.roles = result.roles
+        for stored in result.records:
+            self.supervisors[stored.instance.id] = Supervisor(self, stored)
+        sweep = getattr(self.backends.for_type("sglang"), "sweep_caches", None) if (
+            "sglang" in self.backends.types()
+        ) else None
+        if sweep is not None and self.settings.sglang_prompt_cache_dir:
+            with contextlib.suppress(Exception):
+                sweep(self.settings.sglang_prompt_cache_dir)
+        self._boot_task = asyncio.create_task(self._boot(), name="instances-boot")
+        self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
+
+    async def _boot(self) -> None:
+        """Re-adopt what still runs; start what should run but does not."""
+        to_start: list[Supervisor] = []
+        for sup in list(self.supervisors.values()):
+            inst = sup.instance
+            was_active = inst.status in ACTIVE
+            adopted = False
+            if sup.stored.process is not None:
+                try:
+                    adopted = await sup.adopt()
+                except Exception:
+                    log.exception("re-adoption of %s failed", sup.id)
+            if adopted:
+                continue
+            if was_active:
+                # Its backend is gone: record that, then start it again if it is wanted.
+                inst.status = S.STOPPED
+                inst.pid = None
+                inst.port = None
+                self.changed(sup.id, S.STOPPED.value, "boot")
+            if sup.stored.want_running and inst.status in (S.STOPPED, S.FAILED):
+                to_start.append(sup)
+        await self.persist()
+        sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
+
+        async def start_one(sup: Supervisor) -> None:
+            async with sem:
+                try:
+                    await sup.start()
+                except Exception as err:
+                    log.error("boot start of %s failed: %s", sup.id, err)
+
+        await asyncio.gather(*(start_one(s) for s in to_start))
+        self.boot_done.set()
+
+    async def shutdown(self) -> None:
+        """Service stop: stop backends (or leave them serving) and persist."""
+        for task in (self._boot_task, self._sweep_task, self._prune_task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        sups = list(self.supervisors.values())
+        if self.settings.keep_backends_on_shutdown:
+            await asyncio.gather(*(s.detach() for s in sups), return_exceptions=True)
+        else:
+            await asyncio.gather(
+                *(s.stop(forget_intent=False) for s in sups), return_exceptions=True
+            )
+        await self.persist()
+        if self.inotify is not None:
+            self.inotify.close()
+
+    # --- facts ---------------------------------------------------------------------------------------
+
+    def facts(self) -> HostFacts:
+        if self._facts is None:
+            hf = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
+            self._facts = HostFacts(
+                gpu_type=self.probe.gpu_type(),
+                llama_server_bin=self.settings.llama_server_bin,
+                sglang_venv_path=self.settings.sglang_venv_path,
+                hf_available=hf,
+            )
+        return self._facts
+
+    def supported_backends(self) -> list[str]:
+        return self.backends.supported(self.facts())
+
+    # --- change notification and persistence --------------------------------------------------------
+
+    def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
+        self._list_cache = None
+        self.bus.publish(InstancesChanged(instance_id, status, reason))
+
+    async def persist(self) -> None:
+        records = [s.stored for s in self.supervisors.values()]
+        try:
+            await self.store.save(records, self.roles)
+        except OSError as err:
+            log.error("cannot write %s: %s", self.store.path, err)
+
+    def _held_ports(self) -> set[int]:
+        return {
+            s.instance.port
+            for s in self.supervisors.values()
+            if s.instance.port is not None and s.instance.status in ACTIVE
+        }
+
+    def prune_logs_soon(self) -> None:
+        if self._prune_task is None or self._prune_task.done():
+            self._prune_task = asyncio.create_task(
+                asyncio.to_thread(
+                    prune_log_files, self.settings.log_dir, self.settings.log_file_retention_s
+                )
+            )
+
+    async def _log_sweeper(self) -> None:
+        while True:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(
+                    prune_log_files, self.settings.log_dir, self.settings.log_file_retention_s
+                )
+            await asyncio.sleep(max(60.0, min(3600.0, self.settings.log_file_retention_s / 4)))
+
+    # --- reads -----------------------------------------------------------------------------------------
+
+    def _sup(self, instance_id: str) -> Supervisor:
+        sup = self.supervisors.get(instance_id)
+        if sup is None:
+            raise InstanceNotFound(instance_id)
+        return sup
+
+    def get(self, instance_id: str) -> Instance:
+        return self._sup(instance_id).instance
+
+    def list(self) -> list[Instance]:
+        return [s.instance for s in self.supervisors.values()]
+
+    def instance_json(self, inst: Instance) -> dict[str, Any]:
+        """An instance as the REST API shows it; config.api_key carries the key control needs
+        for its HTTP-poll path (ruling 2, contract §6 trap 1)."""
+        doc = inst.model_dump(mode="json")
+        if not doc["config"].get("api_key"):
+            doc["config"]["api_key"] = self.api_key()
+        return doc
+
+    def list_json(self) -> bytes:
+        cached = self._list_cache
+        if cached is None:
+            cached = json.dumps(
+                [self.instance_json(s.instance) for s in self.supervisors.values()],
+                separators=(",", ":"),
+            ).encode()
+            self._list_cache = cached
+        return cached
+
+    def models_in_use(self) -> list[tuple[str, str, list[str], list[str] | None]]:
+        """(id, backend_type, model paths, file_filters) of instances whose files are in use."""
+        out = []
+        for s in self.supervisors.values():
+            inst = s.instance
+            if inst.status not in ACTIVE:
+                continue
+            backend = self.backends.for_type(inst.config.backend_type)
+            out.append(
+                (inst.id, inst.config.backend_type, backend.model_paths(inst.config),
+                 inst.config.file_filters)
+            )
+        return out
+
+    # --- writes ----------------------------------------------------------------------------------------
+
+    def _parse(self, raw: Any, *, loc_prefix: tuple[str, ...] = ("body", "config")) -> Any:
+        try:
+            return parse_config(
+                raw,
+                models_dir=self.settings.models_dir,
+                strict=True,
+                manifest_lookup=self.manifest_lookup,
+            )
+        except ConfigError as err:
+            raise InvalidInstanceConfig(
+                [{**e, "loc": [*loc_prefix, *e["loc"]]} for e in err.errors]
+            ) from None
+
+    def _derived(self, config: Any) -> dict[str, Any]:
+        backend = self.backends.for_type(config.backend_type)
+        return {
+            "supported_endpoints": backend.supported_endpoints(config),
+            "served_model_name": backend.served_model_name(config),
+            "capabilities": backend.capabilities(config, self.settings.models_dir),
+        }
+
+    async def create(
+        self,
+        config: dict[str, Any],
+        priority: str | None = None,
+        managed_by: str | None = None,
+        intent_id: str | None = None,
+    ) -> Instance:
+        parsed = self._parse(config)
+        try:
+            prio = Priority(priority) if priority is not None else Priority.PRODUCTION
+        except ValueError:
+            raise InvalidInstanceConfig(
+                [{"loc": ["body", "priority"], "msg": f"Invalid priority '{priority}'. Must be one "
+                  "of: ephemeral, production, staging", "type": "enum"}]
+            ) from None
+        inst = Instance(
+            id=str(uuid.uuid4()),
+            config=parsed,
+            status=S.STOPPED,
+            created_at=datetime.now(UTC),
+            priority=prio,
+            managed_by=managed_by,
+            intent_id=intent_id,
+            **self._derived(parsed),
+        )
+        sup = Supervisor(self, StoredInstance(instance=inst))
+        self.supervisors[inst.id] = sup
+        self.changed(inst.id, inst.status.value, "created")
+        await self.persist()
+        return inst
+
+    async def update(self, instance_id: str, fields: dict[str, Any]) -> Instance:
+        sup = self._sup(instance_id)
+        async with sup.lock:
+            inst = sup.instance
+            if inst.status not in (S.STOPPED, S.FAILED):
+                raise InstanceConflict("Cannot update a running instance. Stop it first.")
+            new_config = None
+            if "config" in fields and fields["config"] is not None:
+                new_config = self._parse(fields["config"])
+            changes: dict[str, Any] = {}
+            if new_config is not None:
+                changes["config"] = new_config
+                changes.update(self._derived(new_config))
+            for key in ("managed_by", "intent_id"):
+                if key in fields:
+                    changes[key] = fields[key]
+            if "priority" in fields and fields["priority"] is not None:
+                try:
+                    changes["priority"] = Priority(fields["priority"])
+                except ValueError:
+                    raise InvalidInstanceConfig(
+                        [{"loc": ["body", "priority"], "msg": "Invalid priority", "type": "enum"}]
+                    ) from None
+            for k, v in changes.items():
+                setattr(inst, k, v)
+            self.changed(instance_id, inst.status.value, "updated")
+        await self.persist()
+        return inst
+
+    async def delete(self, instance_id: str) -> Instance:
+        sup = self._sup(instance_id)
+        async with sup.lock:
+            if sup.instance.status not in (S.STOPPED, S.FAILED):
+                raise InstanceConflict("Cannot delete a running instance. Stop it first.")
+            sup.deleted = True
+            sup._cancel(sup.restart_task)
+            await sup.kill_recorded()
+            self.supervisors.pop(instance_id, None)
+        self.changed(instance_id, None, "deleted")
+        await self.persist()
+        sup._after_stop_hook()
+        return sup.instance
+
+    async def start(self, instance_id: str) -> Instance:
+        return await self._sup(instance_id).start()
+
+    async def stop(self, instance_id: str) -> Instance:
+        return await self._sup(instance_id).stop()
+
+    async def restart(self, instance_id: str) -> Instance:
+        sup = self._sup(instance_id)
+        await sup.stop()
+        return await sup.start()
+
+    # --- logs and telemetry ------------------------------------------------------------------------------
+
+    def supervisor(self, instance_id: str) -> Supervisor:
+        return self._sup(instance_id)
+
+    def logs(self, instance_id: str) -> list[dict[str, Any]]:
+        """The in-memory buffer, else the tail of the newest log file (even after delete)."""
+        sup = self.supervisors.get(instance_id)
+        if sup is not None and sup.ring.entries:
+            return [e.as_dict() for e in sup.ring.entries]
+        files = files_of(self.settings.log_dir, instance_id)
+        if files:
+            newest = files[0]
+            ts = file_mtime_iso(newest)
+            lines = tail_lines(newest, self.settings.log_buffer_size)
+            return [{"seq": i, "timestamp": ts, "line": ln} for i, ln in enumerate(lines)]
+        if sup is not None:
+            return []
+        raise InstanceNotFound(instance_id)
+

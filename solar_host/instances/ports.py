@@ -1,0 +1,68 @@
+"""Port allocation for backends: from START_PORT upward, never a port another instance holds
+or another process is bound to."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable, Iterable
+
+
+def port_is_free(port: int, hosts: Iterable[str] = ("0.0.0.0",)) -> bool:
+    """True when a listener could bind `port` on every one of `hosts` right now."""
+    for host in hosts:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # SO_REUSEADDR like the backends themselves: TIME_WAIT leftovers do not count.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        except OSError as err:
+            if err.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            if err.errno == errno.EADDRNOTAVAIL:
+                continue  # the address is not on this machine; the backend will say so itself
+            return False
+        finally:
+            s.close()
+    return True
+
+
+class PortAllocator:
+    """Hands out ports; `held()` lists those other instances hold (starting/running/stopping)."""
+
+    def __init__(self, start_port: int, held: Callable[[], set[int]], end_port: int = 65535):
+        self.start_port = start_port
+        self.end_port = end_port
+        self.held = held
+        self._claimed: set[int] = set()  # handed out but not yet visible through held()
+
+    def _bind_hosts(self, host: str) -> tuple[str, ...]:
+        return ("0.0.0.0",) if host in ("0.0.0.0", "", "::") else ("0.0.0.0", host)
+
+    def allocate(self, host: str, avoid: set[int] | None = None) -> int:
+        taken = self.held() | self._claimed | (avoid or set())
+        for port in range(self.start_port, self.end_port + 1):
+            if port in taken:
+                continue
+            if port_is_free(port, self._bind_hosts(host)):
+                self._claimed.add(port)
+                return port
+        raise RuntimeError(f"no free port from {self.start_port} to {self.end_port}")
+
+    def claim(self, port: int, host: str) -> bool:
+        """Claim an explicit port; False when another instance or process has it."""
+        if port in self.held() or port in self._claimed:
+            return False
+        if not port_is_free(port, self._bind_hosts(host)):
+            return False
+        self._claimed.add(port)
+        return True
+
+    def claim_adopted(self, port: int) -> None:
+        """A re-adopted backend already holds its port: record it without a bind test."""
+        self._claimed.add(port)
+
+    def release(self, port: int | None) -> None:
+        if port is not None:
+            self._claimed.discard(port)

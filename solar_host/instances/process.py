@@ -1,0 +1,170 @@
+"""Backend processes: spawn detached from the host, recognise them again, signal their group.
+
+A backend runs in its own session and process group with its output appended to its log file,
+so it never waits on the host and keeps serving when the host dies. Identity is (pid, start time,
+command line): a recorded pid alone could belong to another process by now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BackendProcess:
+    """A backend process the host owns, spawned now (`popen` set) or re-adopted."""
+
+    pid: int
+    create_time: float
+    cmdline: list[str]
+    popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def is_child(self) -> bool:
+        return self.popen is not None
+
+    def alive(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return identity_matches(self.pid, self.create_time, self.cmdline)
+
+    def exit_code(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.poll()
+        return None
+
+
+def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendProcess:
+    """Start `argv` in a new session with stdout+stderr appended to `log_path`."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    try:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        os.close(fd)
+    # Popen returns after exec, so this is the backend's own identity (for a script with a
+    # shebang the kernel shows the interpreter first: record what the kernel shows).
+    create_time, cmdline = 0.0, list(argv)
+    with contextlib.suppress(psutil.Error):
+        p = psutil.Process(popen.pid)
+        create_time, cmdline = p.create_time(), p.cmdline() or cmdline
+    return BackendProcess(pid=popen.pid, create_time=create_time, cmdline=cmdline, popen=popen)
+
+
+def identity_matches(pid: int, create_time: float, cmdline: list[str]) -> bool:
+    """True when `pid` is still the very process recorded (not a recycled pid)."""
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if abs(p.create_time() - create_time) > 0.05:
+            return False
+        return p.cmdline() == cmdline
+    except (psutil.Error, OSError):
+        return False
+
+
+def adopt(pid: int, create_time: float, cmdline: list[str]) -> BackendProcess | None:
+    if identity_matches(pid, create_time, cmdline):
+        return BackendProcess(pid=pid, create_time=create_time, cmdline=cmdline)
+    return None
+
+
+def signal_group(proc: BackendProcess, sig: int) -> None:
+    """Signal the backend's whole process group (its workers too), never another process."""
+    if not proc.alive():
+        return
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    try:
+        if pgid == proc.pid:
+            os.killpg(pgid, sig)
+        else:  # not a group leader (should not happen): signal the process alone
+            os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError as err:
+        log.warning("cannot signal backend pid %s: %s", proc.pid, err)
+
+
+def kill_group_leftovers(pgid: int) -> None:
+    """SIGKILL whatever is left of a process group (workers that outlived their leader)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
+    """Wait until the process exits (reaping our own children). True if it exited."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    fd = -1
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (ProcessLookupError, OSError):
+        fd = -1
+    if fd >= 0:
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
+    try:
+        if fd < 0:
+            # No pidfd (gone already, or an old kernel): poll.
+            async def poll() -> None:
+                while proc.alive():
+                    await asyncio.sleep(0.05)
+
+            try:
+                await asyncio.wait_for(poll(), timeout)
+            except TimeoutError:
+                return False
+        else:
+            if proc.popen is not None and proc.popen.poll() is not None:
+                return True
+            try:
+                await asyncio.wait_for(asyncio.shield(exited), timeout)
+            except TimeoutError:
+                return False
+    finally:
+        if fd >= 0:
+            loop.remove_reader(fd)
+            os.close(fd)
+    if proc.popen is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=1)
+    return True
+
+
+async def terminate(proc: BackendProcess, grace_s: float) -> int | None:
+    """SIGTERM the group, wait `grace_s`, then SIGKILL. Returns the exit code when known."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    signal_group(proc, signal.SIGTERM)
+    if not await wait_exit(proc, grace_s):
+        log.warning("backend pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, grace_s)
+        signal_group(proc, signal.SIGKILL)
+        await wait_exit(proc, 10.0)
+    if pgid is not None:
+        kill_group_leftovers(pgid)
+    return proc.exit_code()

@@ -1,0 +1,109 @@
+"""Runtime state and per-request generation metrics of one instance, fed by its log parser."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from solar_host.backends.base import GenerationMetrics, LogParser, ParseResult, RuntimeState
+from solar_host.events import EventBus, GenerationFinished, RuntimeStateChanged, iso_now
+
+RECENT_GENERATIONS = 100
+
+
+class Telemetry:
+    """Owned by one supervisor; survives restarts of the backend (keeps last-generation)."""
+
+    def __init__(self, instance_id: str, bus: EventBus, state_buffer: int = 1000):
+        self.instance_id = instance_id
+        self.bus = bus
+        self.state = RuntimeState()
+        self.state_at = iso_now()
+        self.state_seq = 0
+        self.state_events: deque[dict[str, Any]] = deque(maxlen=state_buffer)
+        self.generations: deque[dict[str, Any]] = deque(maxlen=RECENT_GENERATIONS)
+        self.parser: LogParser | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def reset(self, parser: LogParser | None) -> None:
+        """A new backend process: fresh parser, idle state (generations are kept)."""
+        self.parser = parser
+        self._set_state(RuntimeState())
+
+    def feed(self, lines: list[str]) -> None:
+        parser = self.parser
+        if parser is None:
+            return
+        for line in lines:
+            try:
+                result = parser.feed(line)
+            except Exception:  # a parser bug must never stop log delivery
+                continue
+            if result is not None:
+                self._apply(result)
+
+    def apply_metrics(self, metrics: Mapping[str, float]) -> None:
+        self.usage = {**metrics, "timestamp": iso_now()}
+        if self.parser is None:
+            return
+        try:
+            result = self.parser.apply_metrics(metrics)
+        except Exception:
+            return
+        if result is not None:
+            self._apply(result)
+
+    def _apply(self, result: ParseResult) -> None:
+        if result.generation is not None:
+            self._add_generation(result.generation)
+        if result.state is not None:
+            self._set_state(result.state)
+
+    def _add_generation(self, g: GenerationMetrics) -> None:
+        record = g.as_dict()
+        record["finished_at"] = record.get("finished_at") or iso_now()
+        record["instance_id"] = self.instance_id
+        self.generations.append(record)
+        self.bus.publish(GenerationFinished(self.instance_id, record))
+
+    def _set_state(self, state: RuntimeState) -> None:
+        self.state = state
+        self.state_at = iso_now()
+        data = self.snapshot()
+        self.state_events.append(
+            {"seq": self.state_seq, "timestamp": self.state_at, "type": "instance_state", "data": data}
+        )
+        self.state_seq += 1
+        self.bus.publish(RuntimeStateChanged(self.instance_id, self.state_at, data))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, **self.state.as_dict(), "timestamp": self.state_at}
+
+    def last_generation(
+        self, after: datetime | None = None, within_s: float | None = None
+    ) -> tuple[dict[str, Any] | None, str]:
+        """The newest record, or (None, reason) matching the reference's 404 messages."""
+        if not self.generations:
+            return None, "No generation metrics available"
+        record = self.generations[-1]
+        finished = _parse_ts(record.get("finished_at"))
+        if after is not None and (finished is None or finished < after):
+            return None, "No generation metrics after the specified timestamp"
+        if within_s is not None and within_s >= 0:
+            if finished is None or finished < datetime.now(UTC) - timedelta(seconds=within_s):
+                return None, "No recent generation metrics within the specified window"
+        return record, ""
+
+
+def _parse_ts(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt

@@ -1,0 +1,188 @@
+"""Instance lifecycle through real HTTP against a host in a temp dir, with the scripted backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from solar_host.backends.registry import BackendRegistry
+from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.script_backend import ScriptBackend
+
+
+def registry(health: bool = True) -> BackendRegistry:
+    return BackendRegistry([ScriptBackend(health=health)])
+
+
+def cfg(tmp_path: Path, *fake_args: str, alias: str = "fake:1b", **extra: object) -> dict:
+    model = tmp_path / "models" / "m.gguf"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_bytes(b"GGUF")
+    return {"backend_type": "llamacpp", "alias": alias, "model": str(model),
+            "fake_args": list(fake_args), **extra}
+
+
+async def create(h, config: dict, **top: object) -> str:
+    r = await h.client.post("/instances", json={"config": config, **top})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["instance"]["status"] == "stopped"
+    return body["instance"]["id"]
+
+
+async def test_start_stop_restart(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--ready-after", "0.2"))
+        t0 = time.monotonic()
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        inst = r.json()["instance"]
+        assert inst["status"] == "running"
+        assert inst["pid"] and inst["port"]
+        assert time.monotonic() - t0 < 5
+        proc = psutil.Process(inst["pid"])
+        assert "fake_backend.py" in " ".join(proc.cmdline())
+        assert os.getpgid(inst["pid"]) == inst["pid"]  # own process group
+        # second start shares the outcome, spawns nothing
+        r2 = await h.client.post(f"/instances/{iid}/start")
+        assert r2.json()["instance"]["pid"] == inst["pid"]
+        logs = (await h.client.get(f"/instances/{iid}/logs")).json()
+        assert any("listening" in e["line"] for e in logs)
+        assert [e["seq"] for e in logs] == list(range(len(logs)))
+        r = await h.client.post(f"/instances/{iid}/stop")
+        assert r.status_code == 200 and r.json()["instance"]["status"] == "stopped"
+        assert not psutil.pid_exists(inst["pid"]) or psutil.Process(inst["pid"]).status() == "zombie"
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+        r = await h.client.post(f"/instances/{iid}/restart")
+        assert r.status_code == 200 and r.json()["instance"]["status"] == "running"
+        logs2 = (await h.client.get(f"/instances/{iid}/logs")).json()
+        assert logs2[-1]["seq"] > logs[-1]["seq"]
+        await h.client.post(f"/instances/{iid}/stop")
+        assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+
+
+async def test_concurrent_starts_share_one_process(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--ready-after", "0.5"))
+        rs = await asyncio.gather(*(h.client.post(f"/instances/{iid}/start") for _ in range(5)))
+        pids = {r.json()["instance"]["pid"] for r in rs}
+        assert all(r.status_code == 200 for r in rs) and len(pids) == 1
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_failed_start_is_structured_and_fast(tmp_path: Path) -> None:
+    s = host_settings(tmp_path, max_retries=1)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--lines", "first,second", "--exit-after", "0",
+                                  "--exit-code", "7"))
+        t0 = time.monotonic()
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert time.monotonic() - t0 < 5
+        assert r.status_code == 500
+        body = r.json()
+        assert set(body) == {"detail", "instance_id", "exit_code", "log_tail"}
+        assert "Process exited with code 7" in body["detail"]
+        assert body["exit_code"] == 7 and body["instance_id"] == iid
+        assert "second" in body["log_tail"]
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "failed" and inst["retry_count"] == 2
+        # start from failed works; stop of a failed instance is 200
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+
+
+async def test_readiness_timeout(tmp_path: Path) -> None:
+    s = host_settings(tmp_path, max_retries=0, instance_ready_timeout_s=1.0)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--no-health", "--no-ready-line"))
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 500
+        assert "did not report readiness" in r.json()["detail"]
+
+
+async def test_crash_is_detected_and_restarted(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path))
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        new_pid = None
+        while time.monotonic() - t0 < 10:
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "running" and inst["pid"] != pid:
+                new_pid = inst["pid"]
+                break
+            await asyncio.sleep(0.05)
+        assert new_pid, "crashed backend was not restarted"
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_intent_managed_crash_waits_for_control(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path), managed_by="intent", intent_id="i-1")
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert inst["status"] == "failed"
+        assert "exit code: -9" in inst["error_message"]
+        await asyncio.sleep(1.0)
+        assert (await h.client.get(f"/instances/{iid}")).json()["status"] == "failed"
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_stop_kills_sigterm_ignoring_backend(tmp_path: Path) -> None:
+    s = host_settings(tmp_path, stop_grace_s=0.5)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--ignore-sigterm"))
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        t0 = time.monotonic()
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+        assert time.monotonic() - t0 < 3
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+@pytest.mark.parametrize("keep", [True])
+async def test_backend_survives_host_and_is_readopted(tmp_path: Path, keep: bool) -> None:
+    s = host_settings(tmp_path, keep_backends_on_shutdown=keep)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--flood-after-ready", "10"))
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        await asyncio.sleep(0.3)
+        seq_before = (await h.client.get(f"/instances/{iid}/logs")).json()[-1]["seq"]
+    assert psutil.pid_exists(pid)
+    async with running_host(s, backends=registry()) as h:
+        await asyncio.wait_for(h.instances.boot_done.wait(), 10)
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "running" and inst["pid"] == pid
+        logs = (await h.client.get(f"/instances/{iid}/logs")).json()
+        assert logs[-1]["seq"] == seq_before
+        await h.client.post(f"/instances/{iid}/stop")
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+async def test_explicit_port_in_use_is_409(tmp_path: Path) -> None:
+    import socket
+
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    try:
+        async with running_host(host_settings(tmp_path), backends=registry()) as h:
+            iid = await create(h, cfg(tmp_path, host="127.0.0.1", port=port))
+            r = await h.client.post(f"/instances/{iid}/start")
+            assert r.status_code == 409, r.text
+            assert str(port) in r.json()["detail"]
+    finally:
+        blocker.close()
