@@ -424,9 +424,12 @@ class SglangBackend:
                 argv += [_flag(name), str(value)]
         argv += [_flag(name) for name in _BOOL_FLAGS if getattr(config, name)]
         env: dict[str, str] = dict(config.extra_env or {})
-        cache_dir = sglang_cache.instance_cache_dir(
-            ctx.sglang_prompt_cache_dir, config.alias, ctx.instance_id
-        )
+        try:
+            cache_dir = sglang_cache.instance_cache_dir(
+                ctx.sglang_prompt_cache_dir, config.alias, ctx.instance_id
+            )
+        except ValueError as err:
+            raise LaunchError(f"SGLang prompt cache: {err}") from None
         storage = [(n, getattr(config, n)) for n in _STORAGE_FLAGS if getattr(config, n)]
         if cache_dir is not None:
             for name, value in storage:

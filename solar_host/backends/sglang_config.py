@@ -58,6 +58,11 @@ def managed_flag_of(arg: str) -> str | None:
     or reject it as ambiguous, and no SGLang option is a strict prefix of a managed one except
     the alias `--model`. Underscore spellings are refused too (harmless if SGLang rejects
     them, safe if a version accepts them).
+
+    Checked against sglang 0.5.23's own parser (`ServerArgs.add_cli_args`, 561 option
+    strings): every option and every prefix of one, as `--x v`, `--x=v` and `--x` (25,203
+    spellings), is refused here exactly when argparse would set a managed option or reject
+    the spelling as ambiguous. tests/test_sglang_command.py repeats the check offline.
     """
     if not arg.startswith("--"):
         # Single-dash strings never expand to a `--long` option in argparse.
