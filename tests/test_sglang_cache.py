@@ -228,6 +228,13 @@ def test_sweep_detaches_instance_dirs_and_collects_trash(tmp_path: Path) -> None
     assert len(list((outside / "sub").iterdir())) == 3
 
 
+def test_backend_sweeps_at_boot(tmp_path: Path) -> None:
+    filled(tmp_path / f"a-{ID1}")
+    assert len(BACKEND.sweep_caches(str(tmp_path))) == 1
+    assert not (tmp_path / f"a-{ID1}").exists()
+    assert BACKEND.sweep_caches("") == []
+
+
 def test_sweep_of_nothing(tmp_path: Path) -> None:
     assert sglang_cache.sweep("") == []
     assert sglang_cache.sweep(None) == []

@@ -507,5 +507,9 @@ class SglangBackend:
         except Exception:  # pragma: no cover - discard itself never raises
             pass
 
+    def sweep_caches(self, root: str) -> list[Path]:
+        """At boot, before any start: detach and purge every instance cache under `root`."""
+        return sglang_cache.sweep(root)
+
 
 BACKEND = SglangBackend()
