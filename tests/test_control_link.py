@@ -340,10 +340,18 @@ async def test_pending_approve_ack_then_full_sync(tmp_path, server, link_factory
 
 
 async def test_known_key_gets_ack_before_connect_and_still_syncs(
-    tmp_path, known_server, link_factory
+    tmp_path, known_server, link_factory, monkeypatch
 ):
     """Control emits registration_ack inside its connect handler: it reaches the client before
     the namespace counts as connected (contract 8.2). The sync must still happen."""
+    seen: list[bool] = []
+    original = ControlLink._maybe_sync
+
+    def traced(self: ControlLink, session: Any) -> None:
+        seen.append(session.ns_connected)
+        original(self, session)
+
+    monkeypatch.setattr(ControlLink, "_maybe_sync", traced)
     host = make_host(tmp_path, known_server.url)
     link = await link_factory(host)
     await known_server.wait_event("host_health")
@@ -352,6 +360,7 @@ async def test_known_key_gets_ack_before_connect_and_still_syncs(
     assert events.count("registration") == 1  # one sync, not one per handler
     assert link.host_id == "host-1" and not known_server.pending_ids()
     assert link.metrics()["sent"]["host_health"] == 1
+    assert seen == [False, True]  # the ack came first; the connect handler ran the sync
 
 
 async def test_reject_stops_reconnecting_until_reconnect(tmp_path, server, link_factory):
@@ -609,7 +618,7 @@ async def test_unreachable_control_never_delays_anything(tmp_path, link_factory)
 
 async def test_commands_answer_through_acks(tmp_path, known_server, link_factory):
     host = make_host(tmp_path, known_server.url)
-    host.instances.start_delay = 1.0
+    host.instances.start_delay = 0.6
     link = await link_factory(host)
     await wait_for(lambda: link.registered)
     call = known_server.call
@@ -635,9 +644,10 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
     updated = await call(
         "update_instance", {"instance_id": iid, "managed_by": None, "intent_id": None}
     )
-    assert time.monotonic() - t0 < 0.8
+    assert time.monotonic() - t0 < 0.45  # the start is still running
     assert updated["ok"] and updated["instance"]["managed_by"] is None
     assert host.instances.calls[-1] == ("update", (iid, {"managed_by": None, "intent_id": None}))
+    assert not start.done()
     started = await start
     assert started["ok"] and started["instance"]["status"] == "running"
 
@@ -680,3 +690,73 @@ async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
     assert isinstance(linked.services["control"], ControlLink)
     assert linked.services["control"].urls == ["http://127.0.0.1:9"]
     assert linked.lifecycle[-1] is linked.services["control"]
+
+
+# --- the whole host ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def app_host(tmp_path, known_server):
+    """A real host (create_app with every real service) linked to the fake control."""
+    import httpx
+
+    from solar_host.app import create_app
+
+    settings = Settings(
+        api_key=KEY,
+        host_name="real-host",
+        solar_control_url=known_server.url,
+        config_file=tmp_path / "config.json",
+        log_dir=tmp_path / "logs",
+        models_dir=tmp_path / "models",
+        jobs_dir=tmp_path / "jobs",
+        ws_reconnect_delay=0.05,
+        ws_reconnect_max_delay=0.3,
+        health_report_interval_s=30.0,
+    )
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://host", headers={"X-API-Key": KEY}
+        ) as client:
+            yield app.state.host, client
+
+
+async def test_real_host_reports_and_pushes_before_post_instances_answers(
+    tmp_path, known_server, app_host
+):
+    host, client = app_host
+    link = host.control
+    await known_server.wait_event("host_health")
+    health = HostHealth.model_validate(known_server.events("host_health")[0])
+    # The resources block is byte-identical to GET /resources.
+    resources = (await client.get("/resources")).json()
+    sent = known_server.events("host_health")[0]["data"]["resources"]
+    assert set(sent) == set(resources) and sent["memory_type"] == resources["memory_type"]
+    assert health.data.roles[0] == "inference"
+
+    model = tmp_path / "models" / "tiny.gguf"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_bytes(b"GGUF")
+    before = link.sent["instances_update"]
+    r = await client.post(
+        "/instances",
+        json={"config": {"backend_type": "llamacpp", "alias": "tiny:1b", "model": str(model)}},
+    )
+    assert r.status_code == 200, r.text
+    # The emit was already handed to the socket when the response came back.
+    assert link.sent["instances_update"] == before + 1
+    iid = r.json()["instance"]["id"]
+    updates = await known_server.wait_until(
+        lambda: [u for u in known_server.events("instances_update") if u["data"]["instances"]]
+    )
+    entry = FlatInstance.model_validate(updates[-1]["data"]["instances"][0])
+    assert entry.id == iid and entry.alias == "tiny:1b" and entry.status == "stopped"
+    assert entry.backend_type == "llamacpp" and entry.ctx_size
+
+    r = await client.post("/reconnect")
+    assert r.status_code == 200 and r.json() == {"status": "already_connected"}
+    await link.stop()
+    r = await client.post("/reconnect")
+    assert r.status_code == 503 and r.json()["detail"] == "Failed to trigger reconnection"

@@ -331,7 +331,7 @@ class ControlLink:
                 self._maybe_sync(session)
             else:
                 # Control reads registration while pending, and stores it for the approval.
-                await self._emit("registration", self.payloads.registration(), session)
+                await self._send("registration", session)
 
         async def on_disconnect(reason: Any = None) -> None:
             log.info("solar-control link closed: %s", reason)
@@ -392,11 +392,27 @@ class ControlLink:
         self._spawn(self._sync(session))
 
     async def _sync(self, session: _Session) -> None:
-        await self._emit("registration", self.payloads.registration(), session)
-        await self._emit("instances_update", self.payloads.instances_update(), session)
-        await self._emit("host_health", await self.payloads.host_health(), session)
+        await self._send("registration", session)
+        await self._send("instances_update", session)
+        await self._send("host_health", session)
 
     # --- sending ------------------------------------------------------------------------------
+
+    async def _send(self, event: str, session: _Session) -> bool:
+        """Build one of the three state payloads now (the newest truth) and emit it. A service
+        that fails while being read costs this one message, never the connection."""
+        try:
+            if event == "registration":
+                payload = self.payloads.registration()
+            elif event == "instances_update":
+                payload = self.payloads.instances_update()
+            else:
+                payload = await self.payloads.host_health()
+        except Exception:
+            self.emit_failures += 1
+            log.exception("building %s failed", event)
+            return False
+        return await self._emit(event, payload, session)
 
     async def _emit(self, event: str, payload: Any, session: _Session | None = None) -> bool:
         session = session or self._session
@@ -425,10 +441,10 @@ class ControlLink:
             if session is None or not session.ns_connected:
                 return  # the next (re)connect sends the full list anyway
             if session.acked:
-                await self._emit("instances_update", self.payloads.instances_update(), session)
+                await self._send("instances_update", session)
             else:
                 # While pending only registration is read: keep the pending record current.
-                await self._emit("registration", self.payloads.registration(), session)
+                await self._send("registration", session)
 
     async def _flush_loop(self) -> None:
         interval = self.settings.outbox_flush_interval_s
@@ -449,13 +465,7 @@ class ControlLink:
             session = self._session
             if session is None or not session.ns_connected:
                 continue
-            try:
-                if session.acked:
-                    await self._emit("host_health", await self.payloads.host_health(), session)
-                else:
-                    await self._emit("registration", self.payloads.registration(), session)
-            except Exception:
-                log.exception("building host_health failed")
+            await self._send("host_health" if session.acked else "registration", session)
 
     # --- bus handlers (memory only: they run inside the publisher) ----------------------------
 
