@@ -760,3 +760,24 @@ async def test_real_host_reports_and_pushes_before_post_instances_answers(
     await link.stop()
     r = await client.post("/reconnect")
     assert r.status_code == 503 and r.json()["detail"] == "Failed to trigger reconnection"
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+async def test_tls_verification_is_off_only_when_insecure(
+    tmp_path, known_server, link_factory, monkeypatch, insecure
+):
+    import socketio
+
+    made: list[dict[str, Any]] = []
+    real = socketio.AsyncClient
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        made.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("solar_host.control.client.socketio.AsyncClient", spy)
+    host = make_host(tmp_path, known_server.url, insecure=insecure)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    assert made[0]["ssl_verify"] is (not insecure)
+    assert made[0]["reconnection"] is False
