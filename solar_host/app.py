@@ -158,11 +158,12 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         backends=backends,
         probe=host.probe,
         api_key=host.key,
-        models_in_store=None,
     )
     host.add("instances", manager)
 
+    # The store answers "which files are in use" and "where did a pull put this source".
     store.in_use = manager.models_in_use
+    manager.manifest_lookup = store.lookup_dir
     resources.jobs = host.services.get("jobs")
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:

@@ -21,7 +21,8 @@ BATCH = 500
 
 
 async def _send_text(ws: WebSocket, text: str) -> None:
-    await asyncio.wait_for(ws.send_text(text), SEND_TIMEOUT_S)
+    async with asyncio.timeout(SEND_TIMEOUT_S):
+        await ws.send_text(text)
 
 
 @router.websocket("/instances/{instance_id}/logs")

@@ -48,7 +48,8 @@ async def http_get(
             raise OSError("malformed HTTP response")
         return int(status_line[1]), body
 
-    return await asyncio.wait_for(run(), timeout)
+    async with asyncio.timeout(timeout):
+        return await run()
 
 
 async def is_healthy(host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0) -> bool:

@@ -188,6 +188,7 @@ class LogFollower:
         self._wake = asyncio.Event()
         self.lines_read = 0
         self.first_line_at: float | None = None
+        self._stopped = False
 
     def start(self) -> None:
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -198,11 +199,16 @@ class LogFollower:
     async def _run(self) -> None:
         # With inotify the poll is only a safety net; without it, it is the mechanism.
         interval = self.poll_interval if self._wd is not None else min(self.poll_interval, 0.05)
-        while True:
+        while not self._stopped:
             self._wake.clear()
             self.read_available()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # races with the wake-up, and the follower would then never stop.
+            try:
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
 
     def read_available(self) -> None:
         """Read everything written so far and deliver the complete lines."""
@@ -243,6 +249,8 @@ class LogFollower:
 
     async def stop(self, flush: bool = True) -> None:
         """Stop following; with `flush`, first deliver what is left (incl. a last partial line)."""
+        self._stopped = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -60,7 +60,6 @@ class InstanceManager:
         backends: BackendRegistry,
         probe: SystemProbe,
         api_key: Callable[[], str],
-        models_in_store: Any = None,
     ):
         self.settings = settings
         self.bus = bus

@@ -134,14 +134,16 @@ async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
                     await asyncio.sleep(0.05)
 
             try:
-                await asyncio.wait_for(poll(), timeout)
+                async with asyncio.timeout(timeout):
+                    await poll()
             except TimeoutError:
                 return False
         else:
             if proc.popen is not None and proc.popen.poll() is not None:
                 return True
             try:
-                await asyncio.wait_for(asyncio.shield(exited), timeout)
+                async with asyncio.timeout(timeout):
+                    await exited
             except TimeoutError:
                 return False
     finally:

@@ -205,10 +205,12 @@ class Supervisor:
         try:
             hook = getattr(backend, "before_start", None)
             if hook is not None:
-                hook(config, ctx)
+                for w in hook(config, ctx) or ():
+                    log.warning("%s: %s", config.alias, w)
             spec = backend.launch(config, ctx)
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
             self.m.ports.release(port)
+            self._after_stop_hook()
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
             log.warning("%s: %s", inst.config.alias, w)
@@ -385,6 +387,8 @@ class Supervisor:
         """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops."""
         settings = self.m.settings
         if self.instance.managed_by == "intent" or not self.stored.want_running or self.deleted:
+            log.info("not restarting %s: recovery is %s", self.id,
+                     "control's" if self.instance.managed_by == "intent" else "not wanted")
             return
         now = time.monotonic()
         self.crashes.append(now)
@@ -400,6 +404,7 @@ class Supervisor:
             self.m.changed(self.id, self.status.value, "crash_loop")
             return
         delay = min(settings.restart_backoff_s * (2 ** (n - 1)), settings.restart_backoff_max_s)
+        log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
         self.restart_task = asyncio.create_task(self._restart_after(delay), name=f"restart:{self.id}")
 
     async def _restart_after(self, delay: float) -> None:
