@@ -171,6 +171,9 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
 
         host.add("control", ControlLink(host))
     # --- metrics ----------------------------------------------------------------------------------
+    from solar_host.metrics import HostMetrics
+
+    host.add("metrics", overrides.pop("metrics", None) or HostMetrics(host))
 
     for name, service in overrides.items():
         host.services[name] = service
@@ -219,6 +222,12 @@ def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any
     from solar_host.api.limits import BodyLimitMiddleware
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    from solar_host.api import metrics as metrics_api
+    from solar_host.api.request_id import RequestIdMiddleware
+
+    app.include_router(metrics_api.router)
+    # Outermost, so that refused (401/413) requests carry an id too.
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
