@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import docker
-import docker.errors
-import docker.types
-import docker.utils
-
 from solar_host.jobs.schemas import GpuRequest
+
+# The docker SDK (and requests under it) costs ~0.2 s and several MB at host start-up; it is
+# imported on the first job operation instead (idle-memory / start-up targets, issue 10).
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +28,7 @@ LABEL_STEP = "solar-host.step"
 LABEL_JOBS_DIR = "solar-host.jobs-dir"
 API_TIMEOUT_S = 30
 PING_TIMEOUT_S = 5
+DEFAULT_SOCKET = "/var/run/docker.sock"
 
 
 class DaemonUnavailableError(RuntimeError):
@@ -52,9 +52,11 @@ class ContainerSpec:
     gpu: GpuRequest | None
 
 
-def device_requests(gpu: GpuRequest | None) -> list[docker.types.DeviceRequest] | None:
+def device_requests(gpu: GpuRequest | None) -> list[Any] | None:
     if gpu is None:
         return None
+    import docker.types
+
     if gpu.device_ids is not None:
         return [docker.types.DeviceRequest(device_ids=list(gpu.device_ids), capabilities=[["gpu"]])]
     return [docker.types.DeviceRequest(count=gpu.count, capabilities=[["gpu"]])]
@@ -69,6 +71,14 @@ class DockerJobs:
     @classmethod
     def connect(cls, timeout: float = API_TIMEOUT_S) -> DockerJobs:
         """Connect and ping; raises DaemonUnavailableError."""
+        if not os.environ.get("DOCKER_HOST") and not os.path.exists(DEFAULT_SOCKET):
+            # Nothing to connect to: say so without importing the SDK (a host without Docker
+            # never pays for it).
+            raise DaemonUnavailableError(
+                f"Docker daemon unavailable: DOCKER_HOST is unset and {DEFAULT_SOCKET} is missing"
+            )
+        import docker
+
         try:
             # A short timeout for the probe (an unreachable TCP host must not stall a submit),
             # the normal one for the calls that follow.
@@ -108,6 +118,8 @@ class DockerJobs:
             "device_requests": device_requests(spec.gpu),
             "detach": True,
         }
+        import docker.errors
+
         pulled = renamed = False
         while True:
             try:
@@ -126,6 +138,8 @@ class DockerJobs:
                 raise ContainerStartError(f"cannot create the container: {err}") from err
 
     def pull(self, image: str) -> None:
+        import docker.utils
+
         repo, tag = docker.utils.parse_repository_tag(image)
         try:
             self.client.images.pull(repo, tag=tag or "latest")
@@ -167,6 +181,8 @@ class DockerJobs:
         return int(code) if code is not None else -1
 
     def stop(self, container_id: str, timeout: int = 10) -> None:
+        import docker.errors
+
         try:
             self.client.api.stop(container_id, timeout=timeout)
         except docker.errors.NotFound:
@@ -175,6 +191,8 @@ class DockerJobs:
             log.warning("cannot stop container %s: %s", container_id[:12], _explain(err))
 
     def remove(self, container_id: str) -> None:
+        import docker.errors
+
         try:
             self.client.api.remove_container(container_id, force=True)
         except docker.errors.NotFound:
@@ -230,6 +248,8 @@ class DockerJobs:
 
 
 def _explain(err: Exception) -> str:
+    import docker.errors
+
     if isinstance(err, docker.errors.APIError):
         return str(err.explanation or err)
     return str(err)
