@@ -267,4 +267,3 @@ def install_openapi_security(app: FastAPI) -> None:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-

@@ -87,13 +87,11 @@ CONFIG_NOTES: dict[str, str] = {
     "tp_size": "Tensor parallel size (`--tp-size`).",
     "dp_size": "Data parallel size (`--dp-size`).",
     "context_length": "Context length (`--context-length`).",
-    "mem_fraction_static": "GPU memory share for weights and KV pool "
-    "(`--mem-fraction-static`).",
+    "mem_fraction_static": "GPU memory share for weights and KV pool (`--mem-fraction-static`).",
     "chunked_prefill_size": "Prefill chunk in tokens (`--chunked-prefill-size`).",
     "max_running_requests": "Concurrent request cap (`--max-running-requests`).",
     "cuda_graph_max_bs": "Largest batch captured in a CUDA graph (`--cuda-graph-max-bs`).",
-    "cuda_graph_max_bs_decode": "Largest decode batch captured "
-    "(`--cuda-graph-max-bs-decode`).",
+    "cuda_graph_max_bs_decode": "Largest decode batch captured (`--cuda-graph-max-bs-decode`).",
     "swa_full_tokens_ratio": "Full-attention share of hybrid sliding-window models "
     "(`--swa-full-tokens-ratio`).",
     "quantization": "Quantization method, e.g. fp8 (`--quantization`).",
@@ -110,8 +108,7 @@ CONFIG_NOTES: dict[str, str] = {
     "is empty.",
     "hicache_storage_backend_extra_config": "JSON object of storage options "
     "(`--hicache-storage-backend-extra-config`).",
-    "hicache_storage_prefetch_policy": "Prefetch policy "
-    "(`--hicache-storage-prefetch-policy`).",
+    "hicache_storage_prefetch_policy": "Prefetch policy (`--hicache-storage-prefetch-policy`).",
     "extra_args": "Raw arguments appended after the typed flags (so they win over them); "
     "flags the host sets itself are refused.",
     "extra_env": "Extra environment variables; loader variables (LD_*, PYTHONPATH, ...) and "
@@ -377,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
         if current != text:
-            print(f"{args.output} is out of date: run python -m solar_host.docs_gen", file=sys.stderr)
+            print(
+                f"{args.output} is out of date: run python -m solar_host.docs_gen", file=sys.stderr
+            )
             return 1
         return 0
     args.output.parent.mkdir(parents=True, exist_ok=True)

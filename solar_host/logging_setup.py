@@ -10,8 +10,12 @@ from datetime import UTC, datetime
 from solar_host.settings import Settings
 
 # Set by the request-id middleware and by supervisors, so every line says what it is about.
-request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
-instance_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("instance_id", default=None)
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "request_id", default=None
+)
+instance_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "instance_id", default=None
+)
 
 
 class _ContextFilter(logging.Filter):

@@ -24,8 +24,13 @@ def cfg(tmp_path: Path, *fake_args: str, alias: str = "fake:1b", **extra: object
     model = tmp_path / "models" / "m.gguf"
     model.parent.mkdir(parents=True, exist_ok=True)
     model.write_bytes(b"GGUF")
-    return {"backend_type": "llamacpp", "alias": alias, "model": str(model),
-            "fake_args": list(fake_args), **extra}
+    return {
+        "backend_type": "llamacpp",
+        "alias": alias,
+        "model": str(model),
+        "fake_args": list(fake_args),
+        **extra,
+    }
 
 
 async def create(h, config: dict, **top: object) -> str:
@@ -57,7 +62,9 @@ async def test_start_stop_restart(tmp_path: Path) -> None:
         assert [e["seq"] for e in logs] == list(range(len(logs)))
         r = await h.client.post(f"/instances/{iid}/stop")
         assert r.status_code == 200 and r.json()["instance"]["status"] == "stopped"
-        assert not psutil.pid_exists(inst["pid"]) or psutil.Process(inst["pid"]).status() == "zombie"
+        assert (
+            not psutil.pid_exists(inst["pid"]) or psutil.Process(inst["pid"]).status() == "zombie"
+        )
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
         r = await h.client.post(f"/instances/{iid}/restart")
         assert r.status_code == 200 and r.json()["instance"]["status"] == "running"
@@ -79,8 +86,9 @@ async def test_concurrent_starts_share_one_process(tmp_path: Path) -> None:
 async def test_failed_start_is_structured_and_fast(tmp_path: Path) -> None:
     s = host_settings(tmp_path, max_retries=1)
     async with running_host(s, backends=registry()) as h:
-        iid = await create(h, cfg(tmp_path, "--lines", "first,second", "--exit-after", "0",
-                                  "--exit-code", "7"))
+        iid = await create(
+            h, cfg(tmp_path, "--lines", "first,second", "--exit-after", "0", "--exit-code", "7")
+        )
         t0 = time.monotonic()
         r = await h.client.post(f"/instances/{iid}/start")
         assert time.monotonic() - t0 < 5

@@ -13,7 +13,9 @@ from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-PUBLIC_PATHS = frozenset({"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+PUBLIC_PATHS = frozenset(
+    {"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+)
 PUBLIC_PREFIXES = ("/docs/static/",)
 
 
@@ -68,7 +70,11 @@ class APIKeyMiddleware:
             if message["type"] == "websocket.connect":
                 await send({"type": "websocket.accept"})
                 await send(
-                    {"type": "websocket.close", "code": 1008, "reason": "Invalid or missing API key"}
+                    {
+                        "type": "websocket.close",
+                        "code": 1008,
+                        "reason": "Invalid or missing API key",
+                    }
                 )
             return
         body = json.dumps({"detail": "Invalid or missing API key"}).encode()

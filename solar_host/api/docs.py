@@ -10,7 +10,12 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 router = APIRouter(include_in_schema=False)
 
-_ALLOWED = {"swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png", "swagger-ui-standalone-preset.js"}
+_ALLOWED = {
+    "swagger-ui-bundle.js",
+    "swagger-ui.css",
+    "favicon-32x32.png",
+    "swagger-ui-standalone-preset.js",
+}
 
 
 def _assets_dir() -> Path:

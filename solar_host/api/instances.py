@@ -162,5 +162,3 @@ async def instance_usage(request: Request, instance_id: str) -> Response:
     if sup.telemetry.usage is None:
         return JSONResponse(status_code=404, content={"detail": "No usage metrics available"})
     return JSONResponse({"instance_id": instance_id, **sup.telemetry.usage})
-
-

@@ -18,7 +18,12 @@ def probe_address(bind_host: str) -> str:
 
 
 async def http_get(
-    host: str, port: int, path: str, *, bearer: str | None = None, timeout: float = 1.0,
+    host: str,
+    port: int,
+    path: str,
+    *,
+    bearer: str | None = None,
+    timeout: float = 1.0,
     max_bytes: int = 4 * 1024 * 1024,
 ) -> tuple[int, bytes]:
     """(status, body) of GET http://host:port/path; raises OSError/TimeoutError on failure."""
@@ -52,9 +57,13 @@ async def http_get(
         return await run()
 
 
-async def is_healthy(host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0) -> bool:
+async def is_healthy(
+    host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0
+) -> bool:
     try:
-        status, _ = await http_get(host, port, path, bearer=bearer, timeout=timeout, max_bytes=65536)
+        status, _ = await http_get(
+            host, port, path, bearer=bearer, timeout=timeout, max_bytes=65536
+        )
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
         return False
     return status == 200

@@ -294,7 +294,7 @@ def tail_lines(path: Path, n: int) -> list[str]:
     if n <= 0:
         return []
     try:
-        f = open(path, "rb")  # noqa: SIM115
+        f = open(path, "rb")
     except OSError:
         return []
     with f:

@@ -78,8 +78,9 @@ class InstanceManager:
         self._prune_task: asyncio.Task[Any] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
         self.boot_done = asyncio.Event()
+        self._pending_saves: set[asyncio.Task[None]] = set()
 
-    # --- lifecycle of the service ------------------------------------------------------------------
+    # --- lifecycle of the service-----------------------------------------------------------------
 
     async def startup(self) -> None:
         """Service start: load records, re-adopt or boot-start backends (in the background)."""
@@ -91,9 +92,11 @@ class InstanceManager:
             self.roles = result.roles
         for stored in result.records:
             self.supervisors[stored.instance.id] = Supervisor(self, stored)
-        sweep = getattr(self.backends.for_type("sglang"), "sweep_caches", None) if (
-            "sglang" in self.backends.types()
-        ) else None
+        sweep = (
+            getattr(self.backends.for_type("sglang"), "sweep_caches", None)
+            if ("sglang" in self.backends.types())
+            else None
+        )
         if sweep is not None and self.settings.sglang_prompt_cache_dir:
             with contextlib.suppress(Exception):
                 sweep(self.settings.sglang_prompt_cache_dir)
@@ -149,11 +152,13 @@ class InstanceManager:
             await asyncio.gather(
                 *(s.stop(forget_intent=False) for s in sups), return_exceptions=True
             )
+        if self._pending_saves:
+            await asyncio.gather(*self._pending_saves, return_exceptions=True)
         await self.persist()
         if self.inotify is not None:
             self.inotify.close()
 
-    # --- facts ---------------------------------------------------------------------------------------
+    # --- facts------------------------------------------------------------------------------------
 
     def facts(self) -> HostFacts:
         if self._facts is None:
@@ -169,7 +174,7 @@ class InstanceManager:
     def supported_backends(self) -> list[str]:
         return self.backends.supported(self.facts())
 
-    # --- change notification and persistence --------------------------------------------------------
+    # --- change notification and persistence------------------------------------------------------
 
     def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
         self._list_cache = None
@@ -181,6 +186,12 @@ class InstanceManager:
             await self.store.save(records, self.roles)
         except OSError as err:
             log.error("cannot write %s: %s", self.store.path, err)
+
+    def persist_soon(self) -> None:
+        """Persist without waiting (saves coalesce; the newest snapshot wins)."""
+        task = asyncio.create_task(self.persist())
+        self._pending_saves.add(task)
+        task.add_done_callback(self._pending_saves.discard)
 
     def _held_ports(self) -> set[int]:
         return {
@@ -205,7 +216,7 @@ class InstanceManager:
                 )
             await asyncio.sleep(max(60.0, min(3600.0, self.settings.log_file_retention_s / 4)))
 
-    # --- reads -----------------------------------------------------------------------------------------
+    # --- reads------------------------------------------------------------------------------------
 
     def _sup(self, instance_id: str) -> Supervisor:
         sup = self.supervisors.get(instance_id)
@@ -246,12 +257,16 @@ class InstanceManager:
                 continue
             backend = self.backends.for_type(inst.config.backend_type)
             out.append(
-                (inst.id, inst.config.backend_type, backend.model_paths(inst.config),
-                 inst.config.file_filters)
+                (
+                    inst.id,
+                    inst.config.backend_type,
+                    backend.model_paths(inst.config),
+                    inst.config.file_filters,
+                )
             )
         return out
 
-    # --- writes ----------------------------------------------------------------------------------------
+    # --- writes-----------------------------------------------------------------------------------
 
     def _parse(self, raw: Any, *, loc_prefix: tuple[str, ...] = ("body", "config")) -> Any:
         try:
@@ -286,8 +301,14 @@ class InstanceManager:
             prio = Priority(priority) if priority is not None else Priority.PRODUCTION
         except ValueError:
             raise InvalidInstanceConfig(
-                [{"loc": ["body", "priority"], "msg": f"Invalid priority '{priority}'. Must be one "
-                  "of: ephemeral, production, staging", "type": "enum"}]
+                [
+                    {
+                        "loc": ["body", "priority"],
+                        "msg": f"Invalid priority '{priority}'. Must be one "
+                        "of: ephemeral, production, staging",
+                        "type": "enum",
+                    }
+                ]
             ) from None
         inst = Instance(
             id=str(uuid.uuid4()),
@@ -359,7 +380,7 @@ class InstanceManager:
         await sup.stop()
         return await sup.start()
 
-    # --- logs and telemetry ------------------------------------------------------------------------------
+    # --- logs and telemetry-----------------------------------------------------------------------
 
     def supervisor(self, instance_id: str) -> Supervisor:
         return self._sup(instance_id)
@@ -378,4 +399,3 @@ class InstanceManager:
         if sup is not None:
             return []
         raise InstanceNotFound(instance_id)
-

@@ -9,6 +9,7 @@ starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -94,6 +95,10 @@ class InstanceStore:
 
     def load(self) -> LoadResult:
         result = LoadResult()
+        # Temp files of writes that were killed midway: the real file is whole, drop them.
+        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         try:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -104,7 +109,9 @@ class InstanceStore:
         try:
             doc = json.loads(text)
         except ValueError as err:
-            backup = self.path.with_name(self.path.name + f".corrupt-{int(datetime.now().timestamp())}")
+            backup = self.path.with_name(
+                self.path.name + f".corrupt-{int(datetime.now().timestamp())}"
+            )
             log.error("config file %s is not valid JSON (%s); kept as %s", self.path, err, backup)
             try:
                 os.replace(self.path, backup)

@@ -81,7 +81,7 @@ class Supervisor:
     def backend(self) -> Backend:
         return self.m.backends.for_type(self.instance.config.backend_type)
 
-    # --- state ---------------------------------------------------------------------------------------
+    # --- state------------------------------------------------------------------------------------
 
     def set_status(self, new: InstanceStatus, *, reason: str = "", **fields: Any) -> None:
         inst = self.stored.instance
@@ -92,7 +92,7 @@ class Supervisor:
             setattr(inst, k, v)
         self.m.changed(self.id, new.value, reason)
 
-    # --- start -----------------------------------------------------------------------------------------
+    # --- start------------------------------------------------------------------------------------
 
     async def start(self) -> Any:
         """Start (or join the start in flight) and return the running instance."""
@@ -131,7 +131,9 @@ class Supervisor:
                 except AttemptFailed as err:
                     last = err
                     self.counters["start_failures"] += 1
-                    log.warning("start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason)
+                    log.warning(
+                        "start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason
+                    )
                     self.set_status(
                         S.FAILED,
                         reason="start_failed",
@@ -148,8 +150,10 @@ class Supervisor:
                 self.counters["starts"] += 1
                 self.m.bus.publish(InstanceStartFinished(self.id, True, restart))
                 return self.instance
-            reason = last.reason if last else (
-                f"start deadline of {settings.start_deadline_s:.0f}s exceeded"
+            reason = (
+                last.reason
+                if last
+                else (f"start deadline of {settings.start_deadline_s:.0f}s exceeded")
             )
             if self.status != S.FAILED:
                 self.set_status(S.FAILED, reason="start_failed", error_message=reason)
@@ -262,7 +266,9 @@ class Supervisor:
             started_at=datetime.now(UTC),
             error_message=None,
         )
-        await self.m.persist()
+        # Not awaited: the process record was saved at spawn, and a host that dies before this
+        # write re-adopts the backend anyway. Answering "running" should not wait on fsync.
+        self.m.persist_soon()
         self.m.bus.publish(
             InstanceStartTimed(
                 self.id,
@@ -285,7 +291,9 @@ class Supervisor:
         if backend.health_path:
             waiters.append(asyncio.create_task(self._poll_health(host, port, backend.health_path)))
         try:
-            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for w in waiters:
                 w.cancel()
@@ -321,7 +329,7 @@ class Supervisor:
         self.stored.process = None
         self.m.ports.release(port)
 
-    # --- logs ------------------------------------------------------------------------------------------
+    # --- logs-------------------------------------------------------------------------------------
 
     def _follow(self, path: Path, offset: int, ready_check: Backend | None) -> None:
         bus = self.m.bus
@@ -348,7 +356,7 @@ class Supervisor:
             await self.follower.stop(flush=True)
             self.follower = None
 
-    # --- running ---------------------------------------------------------------------------------------
+    # --- running----------------------------------------------------------------------------------
 
     def _watch(self, proc: procs.BackendProcess) -> None:
         self.watch_task = asyncio.create_task(self._watch_exit(proc), name=f"watch:{self.id}")
@@ -376,8 +384,9 @@ class Supervisor:
             else "Process exited unexpectedly"
         )
         log.error("backend of %s (%s) crashed: %s", self.id, self.instance.config.alias, reason)
-        self.set_status(S.FAILED, reason="crashed", error_message=reason, pid=None, port=None,
-                        started_at=None)
+        self.set_status(
+            S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
+        )
         self.m.bus.publish(InstanceCrashed(self.id, code))
         await self.m.persist()
         self._after_stop_hook()
@@ -387,8 +396,11 @@ class Supervisor:
         """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops."""
         settings = self.m.settings
         if self.instance.managed_by == "intent" or not self.stored.want_running or self.deleted:
-            log.info("not restarting %s: recovery is %s", self.id,
-                     "control's" if self.instance.managed_by == "intent" else "not wanted")
+            log.info(
+                "not restarting %s: recovery is %s",
+                self.id,
+                "control's" if self.instance.managed_by == "intent" else "not wanted",
+            )
             return
         now = time.monotonic()
         self.crashes.append(now)
@@ -405,7 +417,9 @@ class Supervisor:
             return
         delay = min(settings.restart_backoff_s * (2 ** (n - 1)), settings.restart_backoff_max_s)
         log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
-        self.restart_task = asyncio.create_task(self._restart_after(delay), name=f"restart:{self.id}")
+        self.restart_task = asyncio.create_task(
+            self._restart_after(delay), name=f"restart:{self.id}"
+        )
 
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -413,7 +427,9 @@ class Supervisor:
             if self.status != S.FAILED or not self.stored.want_running or self.deleted:
                 return
             self.counters["restarts"] += 1
-            self.start_task = asyncio.create_task(self._start(restart=True), name=f"start:{self.id}")
+            self.start_task = asyncio.create_task(
+                self._start(restart=True), name=f"start:{self.id}"
+            )
             task = self.start_task
             self.restart_task = None
         with contextlib.suppress(StartFailed, asyncio.CancelledError):
@@ -429,7 +445,10 @@ class Supervisor:
                 continue
             try:
                 status, body = await http_get(
-                    probe_address(inst.config.host), inst.port, path, bearer=self._bearer(),
+                    probe_address(inst.config.host),
+                    inst.port,
+                    path,
+                    bearer=self._bearer(),
                     timeout=3.0,
                 )
             except (OSError, TimeoutError, asyncio.IncompleteReadError):
@@ -437,7 +456,7 @@ class Supervisor:
             if status == 200:
                 self.telemetry.apply_metrics(parse_prometheus_text(body.decode("utf-8", "replace")))
 
-    # --- stop ------------------------------------------------------------------------------------------
+    # --- stop-------------------------------------------------------------------------------------
 
     @staticmethod
     def _cancel(task: asyncio.Task[Any] | None) -> None:
@@ -460,8 +479,14 @@ class Supervisor:
             if self.status == S.STOPPED:
                 return self.instance
             if self.status == S.FAILED:
-                self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None,
-                                error_message=None)
+                self.set_status(
+                    S.STOPPED,
+                    reason="stopped",
+                    pid=None,
+                    port=None,
+                    started_at=None,
+                    error_message=None,
+                )
                 self._after_stop_hook()
                 await self.m.persist()
                 return self.instance
@@ -502,7 +527,7 @@ class Supervisor:
             except Exception:
                 log.exception("after-stop hook of %s failed", self.id)
 
-    # --- re-adoption ---------------------------------------------------------------------------------
+    # --- re-adoption------------------------------------------------------------------------------
 
     async def adopt(self) -> bool:
         """Take back a backend the host left running. True when it is running again."""
@@ -511,7 +536,9 @@ class Supervisor:
             return False
         proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline)
         if proc is None:
-            log.info("recorded backend pid %s of %s is gone (or the pid was reused)", rec.pid, self.id)
+            log.info(
+                "recorded backend pid %s of %s is gone (or the pid was reused)", rec.pid, self.id
+            )
             self.stored.process = None
             return False
         backend = self.backend()
@@ -530,8 +557,11 @@ class Supervisor:
         if not backend.health_path and log_path is not None:
             healthy = any(backend.is_ready_line(ln) for ln in tail_lines(log_path, 2000))
         if not healthy or log_path is None:
-            log.warning("backend pid %s of %s does not answer its health check; replacing it",
-                        rec.pid, self.id)
+            log.warning(
+                "backend pid %s of %s does not answer its health check; replacing it",
+                rec.pid,
+                self.id,
+            )
             await procs.terminate(proc, self.m.settings.stop_grace_s)
             self.stored.process = None
             return False
@@ -568,4 +598,3 @@ class Supervisor:
             if proc is not None:
                 await procs.terminate(proc, self.m.settings.stop_grace_s)
             self.stored.process = None
-

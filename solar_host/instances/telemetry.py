@@ -73,7 +73,12 @@ class Telemetry:
         self.state_at = iso_now()
         data = self.snapshot()
         self.state_events.append(
-            {"seq": self.state_seq, "timestamp": self.state_at, "type": "instance_state", "data": data}
+            {
+                "seq": self.state_seq,
+                "timestamp": self.state_at,
+                "type": "instance_state",
+                "data": data,
+            }
         )
         self.state_seq += 1
         self.bus.publish(RuntimeStateChanged(self.instance_id, self.state_at, data))
