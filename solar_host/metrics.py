@@ -79,11 +79,14 @@ def _escape(value: str) -> str:
 
 
 def _number(value: float) -> str:
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-        return f"{int(value)}.0" if abs(value) < 1e15 else repr(float(value))
-    if value != value:  # NaN
+    if type(value) is int:  # most samples: counts
+        return str(value)
+    value = float(value)
+    if value != value:
         return "NaN"
-    return repr(float(value))
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
 
 
 def write_families(families: Iterable[Family]) -> str:
@@ -94,6 +97,12 @@ def write_families(families: Iterable[Family]) -> str:
         help_text = f.help.replace("\\", "\\\\").replace("\n", "\\n")
         out.append(f"# HELP {name} {help_text}\n# TYPE {name} {f.kind}\n")
         keys = f.labels
+        if len(keys) == 1:  # the per-instance families: the hot path
+            prefix = f'{name}{{{keys[0]}="'
+            out.extend(
+                f'{prefix}{_escape(labels[0])}"}} {_number(value)}\n' for labels, value in f.samples
+            )
+            continue
         for labels, value in f.samples:
             if keys:
                 pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(keys, labels, strict=True))
