@@ -165,15 +165,15 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     store.in_use = manager.models_in_use
     manager.manifest_lookup = store.lookup_dir
     resources.jobs = host.services.get("jobs")
+    # --- metrics ----------------------------------------------------------------------------------
+    from solar_host.metrics import HostMetrics
+
+    host.add("metrics", overrides.pop("metrics", None) or HostMetrics(host))
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:
         from solar_host.control.client import ControlLink
 
         host.add("control", ControlLink(host))
-    # --- metrics ----------------------------------------------------------------------------------
-    from solar_host.metrics import HostMetrics
-
-    host.add("metrics", overrides.pop("metrics", None) or HostMetrics(host))
 
     for name, service in overrides.items():
         host.services[name] = service

@@ -46,16 +46,19 @@ async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = N
                 await _send_text(
                     ws, json.dumps({"gap": {"from_seq": gap, "to_seq": ring.first_seq - 1}})
                 )
+            send = ws.send_text
+            dumps = json.dumps
             for i in range(0, len(entries), BATCH):
-                chunk = entries[i : i + BATCH]
-                for e in chunk:
-                    await _send_text(
-                        ws,
-                        json.dumps(
-                            {"seq": e.seq, "timestamp": e.timestamp, "line": e.line},
-                            ensure_ascii=False,
-                        ),
-                    )
+                # One deadline per batch: a client that cannot take BATCH lines in
+                # SEND_TIMEOUT_S is dropped, and the per-message cost stays low.
+                async with asyncio.timeout(SEND_TIMEOUT_S):
+                    for e in entries[i : i + BATCH]:
+                        await send(
+                            dumps(
+                                {"seq": e.seq, "timestamp": e.timestamp, "line": e.line},
+                                ensure_ascii=False,
+                            )
+                        )
             if entries:
                 next_seq = entries[-1].seq + 1
             elif gap is not None:

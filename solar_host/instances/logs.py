@@ -19,18 +19,19 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 64 * 1024  # longer lines are cut, so one runaway line cannot eat memory
-READ_CHUNK = 1 << 20
+READ_CHUNK = 256 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class LogEntry:
+class LogEntry(NamedTuple):
+    """One numbered log line (a tuple: cheap to build by the hundred thousand)."""
+
     seq: int
     timestamp: str
     line: str
@@ -201,7 +202,9 @@ class LogFollower:
         interval = self.poll_interval if self._wd is not None else min(self.poll_interval, 0.05)
         while not self._stopped:
             self._wake.clear()
-            self.read_available()
+            # One chunk at a time, yielding between chunks, so a flood cannot hold the loop.
+            while self.read_chunk():
+                await asyncio.sleep(0)
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # races with the wake-up, and the follower would then never stop.
             try:
@@ -212,20 +215,23 @@ class LogFollower:
 
     def read_available(self) -> None:
         """Read everything written so far and deliver the complete lines."""
+        while self.read_chunk():
+            pass
+
+    def read_chunk(self) -> bool:
+        """Deliver the lines of one chunk; True when more data may be waiting."""
         if self._fd < 0:
-            return
-        while True:
-            try:
-                chunk = os.pread(self._fd, READ_CHUNK, self.offset)
-            except OSError as err:
-                log.warning("cannot read %s: %s", self.path, err)
-                return
-            if not chunk:
-                return
-            self.offset += len(chunk)
-            self._deliver(chunk)
-            if len(chunk) < READ_CHUNK:
-                return
+            return False
+        try:
+            chunk = os.pread(self._fd, READ_CHUNK, self.offset)
+        except OSError as err:
+            log.warning("cannot read %s: %s", self.path, err)
+            return False
+        if not chunk:
+            return False
+        self.offset += len(chunk)
+        self._deliver(chunk)
+        return len(chunk) == READ_CHUNK
 
     def _deliver(self, chunk: bytes) -> None:
         data = self._partial + chunk
