@@ -137,7 +137,7 @@ def main() -> int:
     print(f"  backend alone, stdout to a file:      {a * 1000:8.1f} ms")
     print(f"  backend under the host (its own time): {h * 1000:8.1f} ms")
     print(
-        f"  ratio under host / alone:              {h / a:8.3f}   (target <= 1.10; old release ~90x)"
+        f"  ratio under host / alone:              {h / a:8.3f}   (target <= 1.10; old ~90x)"
     )
     print(f"  start answered -> last line on WS:     {ws * 1000:8.1f} ms")
     print(
