@@ -117,9 +117,9 @@ def serve(args: argparse.Namespace) -> int:
     from solar_host.settings import SettingsError, load_settings
 
     overrides: dict[str, Any] = {}
-    if args.host:
+    if args.host is not None:
         overrides["host"] = args.host
-    if args.port:
+    if args.port is not None:
         overrides["port"] = args.port
     try:
         settings = load_settings(args.env_file, **overrides)
