@@ -102,7 +102,7 @@ async def submit_job(request: Request) -> Any:
     raw = await request.body()
     try:
         data = json.loads(raw) if raw else None
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting overflows the parser
         raise HTTPException(400, "body: not valid JSON") from None
     if not isinstance(data, dict):
         raise HTTPException(400, "body: a JSON object (JobDefinition) is required")

@@ -27,18 +27,27 @@ class BodyLimitMiddleware:
                     return
         seen = 0
         sent_response = False
+        too_large = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, too_large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    too_large = True
                     raise _TooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal sent_response
+            if too_large:
+                # The app caught the overflow while parsing (FastAPI turns any body error into
+                # a 400): answer the 413 it should be, once, and drop the app's own reply.
+                if not sent_response:
+                    sent_response = True
+                    await _reject(send, self.max_bytes)
+                return
             if message["type"] == "http.response.start":
                 sent_response = True
             await send(message)

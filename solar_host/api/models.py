@@ -71,7 +71,7 @@ async def pull_model(request: Request) -> Any:
     """Download a model into MODELS_DIR; blocks until it is on disk."""
     try:
         raw = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting overflows the parser
         raw = None
     uri = raw.get("source_uri") if isinstance(raw, dict) else None
     uri = uri if isinstance(uri, str) else ""

@@ -44,7 +44,11 @@ async def health(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/memory", response_model=MemoryInfo)
+@router.get(
+    "/memory",
+    response_model=MemoryInfo,
+    responses={503: {"description": "Memory information not available"}},
+)
 async def memory(request: Request) -> dict[str, Any]:
     info = memory_info(request.app.state.host.probe)
     if info is None:
@@ -52,7 +56,10 @@ async def memory(request: Request) -> dict[str, Any]:
     return info
 
 
-@router.post("/reconnect")
+@router.post(
+    "/reconnect",
+    responses={503: {"description": "No control link configured, or it cannot reconnect now"}},
+)
 async def reconnect(request: Request) -> dict[str, str]:
     host = request.app.state.host
     control = host.services.get("control")
