@@ -184,6 +184,17 @@ class HostClient:
                     yield msg
         except (OSError, TimeoutError) as err:
             raise HostUnreachable(f"cannot reach {self.url}: {err}") from None
+        except ClientError:
+            raise
+        except Exception as err:  # websockets' handshake errors: the host answered, but not a WS
+            if not type(err).__module__.startswith("websockets"):
+                raise
+            status = getattr(getattr(err, "response", None), "status_code", None)
+            if status == 401:
+                raise AuthFailed(f"{self.url} refused the API key") from None
+            if status is not None:
+                raise OperationFailed(status, {"detail": f"log stream refused: {err}"}) from None
+            raise HostUnreachable(f"log stream from {self.url} failed: {err}") from None
 
 
 def _ws_connect(url: str, headers: dict[str, str], timeout: float) -> Any:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from solar_host.backends.registry import BackendRegistry
 from solar_host.cli import PullProgressLine, read_pull_progress
 from solar_host.client import HostClient
@@ -310,3 +312,22 @@ async def test_serve_refuses_invalid_settings_in_one_line(tmp_path: Path) -> Non
     assert err.strip().count("\n") == 0 and "PORT" in err
     rc, _, err = await cli(cwd=tmp_path, env=cli_env(LOG_FORMAT="xml"))
     assert rc == 2 and "LOG_FORMAT" in err
+
+
+async def test_log_stream_errors_map_to_exit_code_classes(tmp_path: Path) -> None:
+    from solar_host.client import AuthFailed, HostUnreachable, OperationFailed
+
+    async def drain(c: HostClient, iid: str) -> None:
+        async for _ in c.follow_logs(iid):
+            pass
+
+    async with running_host(host_settings(tmp_path)) as h:
+        with HostClient(h.url, API_KEY) as c:
+            with pytest.raises(OperationFailed, match="Instance not found"):
+                await drain(c, "nope")
+        with HostClient(h.url, "wrong") as c:
+            with pytest.raises(AuthFailed):
+                await drain(c, "nope")
+    with HostClient(f"http://127.0.0.1:{free_port()}", API_KEY) as c:
+        with pytest.raises(HostUnreachable):
+            await drain(c, "nope")
