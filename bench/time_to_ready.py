@@ -59,7 +59,11 @@ def direct_once(binary: str, model: Path, tmp: Path) -> float:
                 time.sleep(0.005)
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def host_runs(binary: str, model: Path, tmp: Path, runs: int) -> list[float]:

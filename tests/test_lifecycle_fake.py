@@ -194,3 +194,21 @@ async def test_explicit_port_in_use_is_409(tmp_path: Path) -> None:
             assert str(port) in r.json()["detail"]
     finally:
         blocker.close()
+
+
+async def test_a_quick_restart_never_reads_the_previous_attempts_log(tmp_path: Path) -> None:
+    """Two attempts in the same second get separate log files: the second must not take the
+    first process's ready line for its own."""
+    s = host_settings(tmp_path, max_retries=0, instance_ready_timeout_s=1.0)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+        r = await h.client.put(
+            f"/instances/{iid}", json={"config": cfg(tmp_path, "--no-health", "--no-ready-line")}
+        )
+        assert r.status_code == 200
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 500 and "did not report readiness" in r.json()["detail"]
+        files = list((tmp_path / "logs").glob(f"*_{iid}_*.log"))
+        assert len(files) == 2

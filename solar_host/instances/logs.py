@@ -283,6 +283,21 @@ def log_file_name(alias_safe: str, instance_id: str, ts: float | None = None) ->
     return f"{alias_safe}_{instance_id}_{int(ts if ts is not None else time.time())}.log"
 
 
+def new_log_path(log_dir: Path, alias_safe: str, instance_id: str) -> Path:
+    """A log file of its own for one start attempt.
+
+    Two attempts within the same second must not share a file: a new attempt would read the
+    old process's output (its ready line included) as its own. The timestamp moves forward
+    to the next free second instead.
+    """
+    ts = int(time.time())
+    while True:
+        path = log_dir / log_file_name(alias_safe, instance_id, ts)
+        if not path.exists():
+            return path
+        ts += 1
+
+
 def files_of(log_dir: Path, instance_id: str) -> list[Path]:
     """Log files of an instance id, newest first."""
     pattern = f"*_{glob.escape(instance_id)}_*.log"

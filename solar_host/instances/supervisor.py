@@ -22,7 +22,7 @@ from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceSt
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, StartFailed
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
-from solar_host.instances.logs import LogFollower, LogRing, count_lines, log_file_name, tail_lines
+from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
@@ -224,7 +224,7 @@ class Supervisor:
             env.pop(k, None)
         env.update(spec.env)
 
-        log_path = settings.log_dir / log_file_name(alias_safe(config.alias), self.id)
+        log_path = new_log_path(settings.log_dir, alias_safe(config.alias), self.id)
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
