@@ -212,3 +212,59 @@ async def test_a_quick_restart_never_reads_the_previous_attempts_log(tmp_path: P
         assert r.status_code == 500 and "did not report readiness" in r.json()["detail"]
         files = list((tmp_path / "logs").glob(f"*_{iid}_*.log"))
         assert len(files) == 2
+
+
+async def test_log_stream_replays_follows_and_ends_on_delete(tmp_path: Path) -> None:
+    import json
+
+    import websockets
+
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--lines", "alpha,beta"))
+        await h.client.post(f"/instances/{iid}/start")
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/logs"
+        async with websockets.connect(url, additional_headers={"X-API-Key": s_key(h)}) as ws:
+            first = json.loads(await ws.recv())
+            assert set(first) == {"seq", "timestamp", "line"} and first["seq"] == 0
+            assert first["line"] == "alpha"
+            await h.client.post(f"/instances/{iid}/stop")
+            assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+            async with asyncio.timeout(5):
+                with pytest.raises(websockets.ConnectionClosed):
+                    while True:
+                        await ws.recv()
+        # since_seq skips what the client already has
+        iid = await create(h, cfg(tmp_path, "--lines", "one,two,three"))
+        await h.client.post(f"/instances/{iid}/start")
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/logs?since_seq=2"
+        async with websockets.connect(url, additional_headers={"X-API-Key": s_key(h)}) as ws:
+            assert json.loads(await ws.recv())["seq"] == 2
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+def s_key(h) -> str:
+    return h.host.api_key
+
+
+async def test_client_behind_the_ring_gets_a_gap_marker(tmp_path: Path) -> None:
+    import json
+
+    import websockets
+
+    s = host_settings(tmp_path, log_buffer_size=50)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--flood-after-ready", "500"))
+        await h.client.post(f"/instances/{iid}/start")
+        for _ in range(100):
+            logs = (await h.client.get(f"/instances/{iid}/logs")).json()
+            if logs[-1]["line"].startswith("FLOOD_DONE"):
+                break
+            await asyncio.sleep(0.05)
+        assert len(logs) == 50
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/logs?since_seq=0"
+        async with websockets.connect(url, additional_headers={"X-API-Key": s_key(h)}) as ws:
+            gap = json.loads(await ws.recv())
+            assert gap == {"gap": {"from_seq": 0, "to_seq": logs[0]["seq"] - 1}}
+            nxt = json.loads(await ws.recv())
+            assert nxt["seq"] == logs[0]["seq"]
+        await h.client.post(f"/instances/{iid}/stop")

@@ -364,6 +364,7 @@ class InstanceManager:
             sup._cancel(sup.restart_task)
             await sup.kill_recorded()
             self.supervisors.pop(instance_id, None)
+        sup.ring.notify()  # log streamers wake, see the instance gone, and close
         self.changed(instance_id, None, "deleted")
         await self.persist()
         sup._after_stop_hook()
