@@ -311,6 +311,67 @@ async def test_next_start_gets_an_empty_cache(sg: SgHost) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="lead: instances/telemetry.py apply_metrics stores raw Prometheus names; "
+    "the supervisor never calls backend.usage_snapshot() nor adds backend_type",
+)
+async def test_usage_reports_the_snapshot_fields(sg: SgHost) -> None:
+    """GET /usage: InstanceUsageSnapshot (reference-behavior section 3), not raw metric names."""
+    iid = sg.ids["main"]
+    r = await sg.client.post(f"/instances/{iid}/start")
+    assert r.status_code == 200, r.text
+    try:
+        use = None
+        for _ in range(100):
+            u = await sg.client.get(f"/instances/{iid}/usage")
+            if u.status_code == 200:
+                use = u.json()
+                break
+            await asyncio.sleep(0.05)
+        assert use is not None
+        assert set(use) == {
+            "instance_id",
+            "backend_type",
+            "prompt_tokens_total",
+            "generated_tokens_total",
+            "cached_tokens_total",
+            "requests_processing",
+            "requests_deferred",
+            "kv_cache_usage_ratio",
+            "timestamp",
+        }, use
+        assert use["instance_id"] == iid and use["backend_type"] == "sglang"
+    finally:
+        await sg.client.post(f"/instances/{iid}/stop")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lead: instances/supervisor.py _start/_teardown_attempt never call the backend's "
+    "after_stop hook after a failed attempt, so its prompt-cache directory stays",
+)
+async def test_failed_start_is_structured_and_discards_its_cache(sg: SgHost) -> None:
+    config = sg_config(sg.model, alias="broken:1b")
+    config["extra_env"] = {"FAKE_SGLANG_FAIL": "load"}
+    inst = await create(sg, config)
+    iid = inst["id"]
+    held = len(sg.purged)
+    t0 = time.monotonic()
+    r = await sg.client.post(f"/instances/{iid}/start")
+    assert time.monotonic() - t0 < 10
+    assert r.status_code == 500, r.text
+    body = r.json()
+    assert set(body) == {"detail", "instance_id", "exit_code", "log_tail"}
+    assert body["exit_code"] == 1 and "Process exited with code 1" in body["detail"]
+    assert any("CUDA out of memory (fake)" in ln for ln in body["log_tail"])
+    # The attempt's cache directory does not outlive the attempt (reference: "if idle"
+    # discard after a start attempt that did not succeed).
+    assert not (sg.cache / f"broken-1b-{iid}").exists()
+    assert len(sg.purged) > held
+    assert (await sg.client.delete(f"/instances/{iid}")).status_code == 200
+
+
 # --- refusals -------------------------------------------------------------------------------------
 
 
@@ -348,3 +409,42 @@ def _children_cmdlines() -> list[Path]:
         except psutil.Error:
             continue
     return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lead: instances/manager.py startup() runs the SGLang cache sweep before _boot() "
+    "re-adopts backends, so a backend kept across a host restart loses its cache",
+)
+async def test_readopted_backend_keeps_its_cache(tmp_path: Path, held_purges: list[Path]) -> None:
+    """KEEP_BACKENDS_ON_SHUTDOWN: the boot sweep must spare the caches of backends it re-adopts."""
+    venv = make_fake_sglang_venv(tmp_path)
+    model = text_model_dir(tmp_path)
+    cache = tmp_path / "prompt-cache"
+    settings = host_settings(
+        tmp_path,
+        sglang_venv_path=str(venv),
+        sglang_prompt_cache_dir=str(cache),
+        keep_backends_on_shutdown=True,
+        start_port=free_port(),
+    )
+    probe = FakeProbe(gpus=[(80, 0)])
+    async with running_host(settings, probe=probe) as h:
+        r = await h.client.post("/instances", json={"config": sg_config(model)})
+        iid = r.json()["instance"]["id"]
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        pid = r.json()["instance"]["pid"]
+    mine = cache / f"{SERVED}-{iid}"
+    (mine / "page-kept.bin").write_bytes(b"kv")
+    try:
+        async with running_host(settings, probe=FakeProbe(gpus=[(80, 0)])) as h:
+            await asyncio.wait_for(h.instances.boot_done.wait(), 10)
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            assert inst["status"] == "running" and inst["pid"] == pid
+            still_there = (mine / "page-kept.bin").exists()
+            await h.client.post(f"/instances/{iid}/stop")
+        assert still_there, "the boot sweep detached the cache of a re-adopted backend"
+    finally:
+        if psutil.pid_exists(pid):
+            psutil.Process(pid).kill()
