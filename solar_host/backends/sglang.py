@@ -16,7 +16,7 @@ import re
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -507,9 +507,15 @@ class SglangBackend:
         except Exception:  # pragma: no cover - discard itself never raises
             pass
 
-    def sweep_caches(self, root: str) -> list[Path]:
-        """At boot, before any start: detach and purge every instance cache under `root`."""
-        return sglang_cache.sweep(root)
+    def sweep_caches(self, root: str, keep_instances: Iterable[tuple[str, str]] = ()) -> list[Path]:
+        """At boot, before any start: detach and purge every instance cache under `root`
+        except those of re-adopted instances, given as (alias, instance_id) pairs."""
+        keep = []
+        for alias, instance_id in keep_instances:
+            path = sglang_cache.instance_cache_dir(root, alias, instance_id)
+            if path is not None:
+                keep.append(path.name)
+        return sglang_cache.sweep(root, keep)
 
 
 BACKEND = SglangBackend()

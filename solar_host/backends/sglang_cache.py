@@ -172,13 +172,15 @@ def prepare(root: Root, alias: str, instance_id: str) -> Path | None:
     return path
 
 
-def sweep(root: Root) -> list[Path]:
+def sweep(root: Root, keep: Iterable[str] = ()) -> list[Path]:
     """Boot: detach every instance-shaped directory and collect old trash; purge in background.
 
     Only real directories are touched: names ending in a uuid4 are renamed to trash, names
     starting with `.trash-` are collected as they are; files, symlinks and other directories
-    stay. Returns the trash paths being purged.
+    stay, and so do the directories named in `keep` (those of backends re-adopted alive).
+    Returns the trash paths being purged.
     """
+    kept = set(keep)
     if root is None or not str(root).strip():
         return []
     base = Path(str(root).strip())
@@ -199,7 +201,7 @@ def sweep(root: Root) -> list[Path]:
         path = Path(entry.path)
         if entry.name.startswith(TRASH_PREFIX):
             trash.append(path)
-        elif _UUID_SUFFIX.search(entry.name):
+        elif _UUID_SUFFIX.search(entry.name) and entry.name not in kept:
             detached = _detach_dir(path)
             if detached is not None:
                 trash.append(detached)

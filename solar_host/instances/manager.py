@@ -92,20 +92,13 @@ class InstanceManager:
             self.roles = result.roles
         for stored in result.records:
             self.supervisors[stored.instance.id] = Supervisor(self, stored)
-        sweep = (
-            getattr(self.backends.for_type("sglang"), "sweep_caches", None)
-            if ("sglang" in self.backends.types())
-            else None
-        )
-        if sweep is not None and self.settings.sglang_prompt_cache_dir:
-            with contextlib.suppress(Exception):
-                sweep(self.settings.sglang_prompt_cache_dir)
         self._boot_task = asyncio.create_task(self._boot(), name="instances-boot")
         self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
 
     async def _boot(self) -> None:
         """Re-adopt what still runs; start what should run but does not."""
         to_start: list[Supervisor] = []
+        adopted_sups: list[Supervisor] = []
         for sup in list(self.supervisors.values()):
             inst = sup.instance
             was_active = inst.status in ACTIVE
@@ -116,6 +109,7 @@ class InstanceManager:
                 except Exception:
                     log.exception("re-adoption of %s failed", sup.id)
             if adopted:
+                adopted_sups.append(sup)
                 continue
             if was_active:
                 # Its backend is gone: record that, then start it again if it is wanted.
@@ -126,6 +120,7 @@ class InstanceManager:
             if sup.stored.want_running and inst.status in (S.STOPPED, S.FAILED):
                 to_start.append(sup)
         await self.persist()
+        self._sweep_prompt_caches(adopted_sups)
         sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
 
         async def start_one(sup: Supervisor) -> None:
@@ -137,6 +132,24 @@ class InstanceManager:
 
         await asyncio.gather(*(start_one(s) for s in to_start))
         self.boot_done.set()
+
+    def _sweep_prompt_caches(self, adopted: list[Supervisor]) -> None:
+        """Leftover SGLang caches go, after re-adoption so a live backend keeps its own."""
+        root = self.settings.sglang_prompt_cache_dir
+        if not root or "sglang" not in self.backends.types():
+            return
+        sweep = getattr(self.backends.for_type("sglang"), "sweep_caches", None)
+        if sweep is None:
+            return
+        keep = [
+            (s.instance.config.alias, s.id)
+            for s in adopted
+            if s.instance.config.backend_type == "sglang"
+        ]
+        try:
+            sweep(root, keep)
+        except Exception:
+            log.exception("prompt cache sweep failed")
 
     async def shutdown(self) -> None:
         """Service stop: stop backends (or leave them serving) and persist."""

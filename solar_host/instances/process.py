@@ -22,6 +22,25 @@ import psutil
 log = logging.getLogger(__name__)
 
 
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22).
+
+    Unlike psutil's create_time, which adds the boot time as the wall clock sees it *now*,
+    this never moves when the clock is adjusted, so it identifies a process exactly across
+    host restarts.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        fields = data[data.rindex(b")") + 2 :].split()
+        return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
+    except (ValueError, IndexError):
+        return None
+
+
 @dataclass(slots=True)
 class BackendProcess:
     """A backend process the host owns, spawned now (`popen` set) or re-adopted."""
@@ -30,6 +49,7 @@ class BackendProcess:
     create_time: float
     cmdline: list[str]
     popen: subprocess.Popen[bytes] | None = None
+    start_ticks: int | None = None
 
     @property
     def is_child(self) -> bool:
@@ -38,7 +58,7 @@ class BackendProcess:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return identity_matches(self.pid, self.create_time, self.cmdline)
+        return identity_matches(self.pid, self.create_time, self.cmdline, self.start_ticks)
 
     def exit_code(self) -> int | None:
         if self.popen is not None:
@@ -68,25 +88,38 @@ def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendPro
     with contextlib.suppress(psutil.Error):
         p = psutil.Process(popen.pid)
         create_time, cmdline = p.create_time(), p.cmdline() or cmdline
-    return BackendProcess(pid=popen.pid, create_time=create_time, cmdline=cmdline, popen=popen)
+    return BackendProcess(
+        pid=popen.pid,
+        create_time=create_time,
+        cmdline=cmdline,
+        popen=popen,
+        start_ticks=start_ticks(popen.pid),
+    )
 
 
-def identity_matches(pid: int, create_time: float, cmdline: list[str]) -> bool:
+def identity_matches(
+    pid: int, create_time: float, cmdline: list[str], ticks: int | None = None
+) -> bool:
     """True when `pid` is still the very process recorded (not a recycled pid)."""
     try:
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
             return False
-        if abs(p.create_time() - create_time) > 0.05:
-            return False
+        if ticks is not None:
+            if start_ticks(pid) != ticks:
+                return False
+        elif abs(p.create_time() - create_time) > 1.0:
+            return False  # no tick count recorded: the wall-clock start time, loosely
         return p.cmdline() == cmdline
     except (psutil.Error, OSError):
         return False
 
 
-def adopt(pid: int, create_time: float, cmdline: list[str]) -> BackendProcess | None:
-    if identity_matches(pid, create_time, cmdline):
-        return BackendProcess(pid=pid, create_time=create_time, cmdline=cmdline)
+def adopt(
+    pid: int, create_time: float, cmdline: list[str], ticks: int | None = None
+) -> BackendProcess | None:
+    if identity_matches(pid, create_time, cmdline, ticks):
+        return BackendProcess(pid=pid, create_time=create_time, cmdline=cmdline, start_ticks=ticks)
     return None
 
 

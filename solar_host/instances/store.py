@@ -31,6 +31,7 @@ class ProcessRecord(BaseModel):
 
     pid: int
     create_time: float
+    start_ticks: int | None = None  # /proc start time in ticks: exact across clock changes
     cmdline: list[str]
     port: int
     log_file: str | None = None

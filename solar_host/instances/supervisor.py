@@ -237,6 +237,7 @@ class Supervisor:
         self.stored.process = ProcessRecord(
             pid=proc.pid,
             create_time=proc.create_time,
+            start_ticks=proc.start_ticks,
             cmdline=proc.cmdline,
             port=port,
             log_file=str(log_path),
@@ -328,6 +329,7 @@ class Supervisor:
         self.proc = None
         self.stored.process = None
         self.m.ports.release(port)
+        self._after_stop_hook()  # e.g. a failed SGLang attempt leaves no prompt cache behind
 
     # --- logs-------------------------------------------------------------------------------------
 
@@ -438,6 +440,8 @@ class Supervisor:
     async def _poll_metrics(self, path: str) -> None:
         from solar_host.backends.prometheus import parse_prometheus_text
 
+        backend = self.backend()
+        backend_type = self.instance.config.backend_type
         while True:
             await asyncio.sleep(METRICS_POLL_S)
             inst = self.instance
@@ -454,7 +458,10 @@ class Supervisor:
             except (OSError, TimeoutError, asyncio.IncompleteReadError):
                 continue
             if status == 200:
-                self.telemetry.apply_metrics(parse_prometheus_text(body.decode("utf-8", "replace")))
+                metrics = parse_prometheus_text(body.decode("utf-8", "replace"))
+                snapshot_of = getattr(backend, "usage_snapshot", None)
+                snapshot = snapshot_of(metrics) if snapshot_of is not None else None
+                self.telemetry.apply_metrics(metrics, snapshot, backend_type)
 
     # --- stop-------------------------------------------------------------------------------------
 
@@ -534,7 +541,7 @@ class Supervisor:
         rec = self.stored.process
         if rec is None:
             return False
-        proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline)
+        proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline, rec.start_ticks)
         if proc is None:
             log.info(
                 "recorded backend pid %s of %s is gone (or the pid was reused)", rec.pid, self.id
@@ -594,7 +601,7 @@ class Supervisor:
         """Delete path: make sure no backend of this instance survives."""
         rec = self.stored.process
         if rec is not None:
-            proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline)
+            proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline, rec.start_ticks)
             if proc is not None:
                 await procs.terminate(proc, self.m.settings.stop_grace_s)
             self.stored.process = None

@@ -44,8 +44,15 @@ class Telemetry:
             if result is not None:
                 self._apply(result)
 
-    def apply_metrics(self, metrics: Mapping[str, float]) -> None:
-        self.usage = {**metrics, "timestamp": iso_now()}
+    def apply_metrics(
+        self,
+        metrics: Mapping[str, float],
+        snapshot: Mapping[str, Any] | None = None,
+        backend_type: str | None = None,
+    ) -> None:
+        """A /metrics scrape: `snapshot` is the backend's mapping of it to usage fields."""
+        if snapshot is not None:
+            self.usage = {"backend_type": backend_type, **snapshot, "timestamp": iso_now()}
         if self.parser is None:
             return
         try:
