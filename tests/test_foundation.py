@@ -137,7 +137,7 @@ async def test_two_hosts_in_one_process_are_independent(tmp_path: Path) -> None:
             assert r.status_code == 401
 
 
-# --- config validation----------------------------------------------------------------------------
+# --- config validation ---------------------------------------------------------------------------
 
 
 def test_config_rules(tmp_path: Path) -> None:
@@ -251,7 +251,7 @@ async def test_update_null_clears_markers_and_running_is_409(tmp_path: Path) -> 
         assert (await h.client.get(f"/instances/{iid}")).status_code == 404
 
 
-# --- config.json----------------------------------------------------------------------------------
+# --- config.json ---------------------------------------------------------------------------------
 
 
 def test_old_config_file_loads_and_bad_entries_are_kept_aside(tmp_path: Path) -> None:

@@ -243,7 +243,7 @@ async def test_instances_listing_shows_running_metadata(hosts: HFHosts) -> None:
     assert bad["status"] == "failed" and bad["pid"] is None and bad["error_message"]
 
 
-# --- the failed start------------------------------------------------------------------------------
+# --- the failed start -----------------------------------------------------------------------------
 
 
 async def test_cuda_on_cpu_is_a_fast_structured_500(hosts: HFHosts) -> None:
@@ -391,7 +391,7 @@ async def test_logs_websocket_shows_request_markers(hosts: HFHosts) -> None:
     assert f"id={rid}" in done[-1]
 
 
-# --- the host process never imports torch----------------------------------------------------------
+# --- the host process never imports torch ---------------------------------------------------------
 
 
 def mapped_files(pid: int) -> set[str]:
@@ -413,7 +413,7 @@ async def test_subprocess_host_serves_hf_without_importing_torch(hosts: HFHosts)
     assert any("python" in p for p in host_libs)  # the maps of a real interpreter
 
 
-# --- stop------------------------------------------------------------------------------------------
+# --- stop -----------------------------------------------------------------------------------------
 
 
 async def test_stop_ends_every_backend(hosts: HFHosts) -> None:

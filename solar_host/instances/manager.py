@@ -80,7 +80,7 @@ class InstanceManager:
         self.boot_done = asyncio.Event()
         self._pending_saves: set[asyncio.Task[None]] = set()
 
-    # --- lifecycle of the service-----------------------------------------------------------------
+    # --- lifecycle of the service ----------------------------------------------------------------
 
     async def startup(self) -> None:
         """Service start: load records, re-adopt or boot-start backends (in the background)."""
@@ -171,7 +171,7 @@ class InstanceManager:
         if self.inotify is not None:
             self.inotify.close()
 
-    # --- facts------------------------------------------------------------------------------------
+    # --- facts -----------------------------------------------------------------------------------
 
     def facts(self) -> HostFacts:
         if self._facts is None:
@@ -187,7 +187,7 @@ class InstanceManager:
     def supported_backends(self) -> list[str]:
         return self.backends.supported(self.facts())
 
-    # --- change notification and persistence------------------------------------------------------
+    # --- change notification and persistence -----------------------------------------------------
 
     def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
         self._list_cache = None
@@ -229,7 +229,7 @@ class InstanceManager:
                 )
             await asyncio.sleep(max(60.0, min(3600.0, self.settings.log_file_retention_s / 4)))
 
-    # --- reads------------------------------------------------------------------------------------
+    # --- reads -----------------------------------------------------------------------------------
 
     def _sup(self, instance_id: str) -> Supervisor:
         sup = self.supervisors.get(instance_id)
@@ -279,7 +279,7 @@ class InstanceManager:
             )
         return out
 
-    # --- writes-----------------------------------------------------------------------------------
+    # --- writes ----------------------------------------------------------------------------------
 
     def _parse(self, raw: Any, *, loc_prefix: tuple[str, ...] = ("body", "config")) -> Any:
         try:
@@ -394,7 +394,7 @@ class InstanceManager:
         await sup.stop()
         return await sup.start()
 
-    # --- logs and telemetry-----------------------------------------------------------------------
+    # --- logs and telemetry ----------------------------------------------------------------------
 
     def supervisor(self, instance_id: str) -> Supervisor:
         return self._sup(instance_id)

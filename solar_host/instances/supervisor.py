@@ -81,7 +81,7 @@ class Supervisor:
     def backend(self) -> Backend:
         return self.m.backends.for_type(self.instance.config.backend_type)
 
-    # --- state------------------------------------------------------------------------------------
+    # --- state -----------------------------------------------------------------------------------
 
     def set_status(self, new: InstanceStatus, *, reason: str = "", **fields: Any) -> None:
         inst = self.stored.instance
@@ -92,7 +92,7 @@ class Supervisor:
             setattr(inst, k, v)
         self.m.changed(self.id, new.value, reason)
 
-    # --- start------------------------------------------------------------------------------------
+    # --- start -----------------------------------------------------------------------------------
 
     async def start(self) -> Any:
         """Start (or join the start in flight) and return the running instance."""
@@ -331,7 +331,7 @@ class Supervisor:
         self.m.ports.release(port)
         self._after_stop_hook()  # e.g. a failed SGLang attempt leaves no prompt cache behind
 
-    # --- logs-------------------------------------------------------------------------------------
+    # --- logs ------------------------------------------------------------------------------------
 
     def _follow(self, path: Path, offset: int, ready_check: Backend | None) -> None:
         bus = self.m.bus
@@ -358,7 +358,7 @@ class Supervisor:
             await self.follower.stop(flush=True)
             self.follower = None
 
-    # --- running----------------------------------------------------------------------------------
+    # --- running ---------------------------------------------------------------------------------
 
     def _watch(self, proc: procs.BackendProcess) -> None:
         self.watch_task = asyncio.create_task(self._watch_exit(proc), name=f"watch:{self.id}")
@@ -463,7 +463,7 @@ class Supervisor:
                 snapshot = snapshot_of(metrics) if snapshot_of is not None else None
                 self.telemetry.apply_metrics(metrics, snapshot, backend_type)
 
-    # --- stop-------------------------------------------------------------------------------------
+    # --- stop ------------------------------------------------------------------------------------
 
     @staticmethod
     def _cancel(task: asyncio.Task[Any] | None) -> None:
@@ -534,7 +534,7 @@ class Supervisor:
             except Exception:
                 log.exception("after-stop hook of %s failed", self.id)
 
-    # --- re-adoption------------------------------------------------------------------------------
+    # --- re-adoption -----------------------------------------------------------------------------
 
     async def adopt(self) -> bool:
         """Take back a backend the host left running. True when it is running again."""
