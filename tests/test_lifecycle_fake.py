@@ -268,3 +268,21 @@ async def test_client_behind_the_ring_gets_a_gap_marker(tmp_path: Path) -> None:
             nxt = json.loads(await ws.recv())
             assert nxt["seq"] == logs[0]["seq"]
         await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_crash_loop_ends_in_failed_not_a_storm(tmp_path: Path) -> None:
+    s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=3)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", "--exit-code", "3"))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        sup = h.instances.supervisor(iid)
+        for _ in range(200):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "failed" and "not restarting" in (inst["error_message"] or ""):
+                break
+            await asyncio.sleep(0.05)
+        assert inst["status"] == "failed", inst
+        assert "exit code: 3" in inst["error_message"] and "not restarting" in inst["error_message"]
+        assert sup.counters["crashes"] == 3 and sup.counters["restarts"] == 2
+        await asyncio.sleep(0.5)
+        assert (await h.client.get(f"/instances/{iid}")).json()["status"] == "failed"
