@@ -36,13 +36,20 @@ def test_colon_names_and_comments():
     assert len(m) == 6
 
 
-def test_labels_stripped_and_last_sample_wins():
+def test_label_sets_are_summed_and_a_repeated_series_overrides():
     m = parse_prometheus_text(
         'sglang:num_running_reqs{model_name="m",engine="a b"} 3\n'
         'sglang:num_running_reqs{model_name="m"} 4\n'
+        'sglang:prompt_tokens_total{is_streaming="true"} 10\n'
+        'sglang:prompt_tokens_total{is_streaming="false"} 20\n'
+        'sglang:prompt_tokens_total{is_streaming="false"} 25\n'
         'http_requests_total{code="200"} 1027 1395066363000\n'
     )
-    assert m == {"sglang:num_running_reqs": 4.0, "http_requests_total": 1027.0}
+    assert m == {
+        "sglang:num_running_reqs": 7.0,
+        "sglang:prompt_tokens_total": 35.0,
+        "http_requests_total": 1027.0,
+    }
 
 
 def test_bad_lines_skipped():
