@@ -263,3 +263,18 @@ def test_parser_speed():
         parser.feed(line)
     per_line = (time.perf_counter() - t0) / len(batch)
     assert per_line < 50e-6, f"{per_line * 1e6:.1f} us per line"
+
+
+def test_real_b11434_log_with_prompt_cache_hits():
+    """Recorded from llama-server b11434 serving tests/test_llamacpp_real.py's requests: two
+    401s, slot warnings inside a request, and requests whose prompt came from the cache."""
+    lines = lines_of("llamacpp_b11434_real.log")
+    _, states, gens = replay(lines)
+    got = [
+        (g.task_id, g.slot_id, g.prompt_tokens, g.prompt_eval_tokens, g.cached_tokens) for g in gens
+    ]
+    assert got == [(0, 3, 35, 36, 0), (13, 3, 7, 7, 0), (22, 2, 35, 1, 34), (35, 2, 35, 1, 34)]
+    assert [g.generated_tokens for g in gens] == [12, 8, 12, 12]
+    assert [s.phase for s in states] == ["prefill", "generating", "idle"] * 4
+    ready = [ln for ln in lines if BACKEND.is_ready_line(ln)]
+    assert ready == ["0.00.452.384 I srv  llama_server: listening on http://127.0.0.1:57383"]
