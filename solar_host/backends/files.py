@@ -71,6 +71,14 @@ def resolve_model_file(base_dir: Path, pattern: str) -> Path:
     return ranked[0]
 
 
+class PatternError(ValueError):
+    """A file pattern of a config did not resolve; `field` names the config field."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
 def resolve_config_files(config: Any, base_dir: Path | None, strict: bool, models_dir: Path) -> Any:
     """Resolve model_file (into `model`), mmproj and spec_draft_model of a llama.cpp config."""
     targets: list[tuple[str, str, str]] = []  # (field read, field written, pattern)
@@ -84,9 +92,10 @@ def resolve_config_files(config: Any, base_dir: Path | None, strict: bool, model
         return config
     if base_dir is None or not base_dir.is_dir():
         if strict:
-            raise ValueError(
+            raise PatternError(
+                targets[0][0],
                 "Cannot resolve model file pattern: no model directory found for "
-                f"model_source={config.model_source!r}"
+                f"model_source={config.model_source!r}",
             )
         log.warning("cannot resolve file patterns of %s: no model directory", config.alias)
         return config
@@ -95,7 +104,7 @@ def resolve_config_files(config: Any, base_dir: Path | None, strict: bool, model
             path = resolve_model_file(base_dir, pattern)
         except (FileNotFoundError, ValueError) as err:
             if strict:
-                raise type(err)(f"Cannot resolve {read} pattern: {err}") from None
+                raise PatternError(read, f"Cannot resolve {read} pattern: {err}") from None
             log.warning("cannot resolve %s of %s: %s", read, config.alias, err)
             continue
         setattr(config, write, str(path))

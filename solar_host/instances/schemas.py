@@ -209,8 +209,8 @@ def parse_config(
         base_dir = _llamacpp_base_dir(config, manifest_lookup)
         try:
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
-        except (FileNotFoundError, ValueError) as err:
-            raise _error(("model_file",), str(err)) from None
+        except files.PatternError as err:
+            raise _error((err.field,), str(err)) from None
     return config
 
 
