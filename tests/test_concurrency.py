@@ -3,7 +3,7 @@
 Checks: no 500, no port given to two instances at once, no leaked or duplicated backend process
 (psutil, by a tag on each backend's command line), and once the storm is over every instance
 is in a settled state that matches its process, and follows the last call made on it.
-1,000 calls with SOLAR_LONG_TESTS=1, 300 by default.
+1,000 calls with SOLAR_LONG_TESTS=1, 200 by default.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from solar_host.backends.registry import BackendRegistry
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 
-CALLS = 1000 if os.environ.get("SOLAR_LONG_TESTS") else 300
+CALLS = 1000 if os.environ.get("SOLAR_LONG_TESTS") else 200
 SLOTS = 10
 SETTLED = {"running", "stopped", "failed"}
 
