@@ -120,15 +120,7 @@ def test_backend_sigkill_is_recovered_without_leak(tmp_path: Path) -> None:
         assert h.backends() == []
 
 
-MID_START_DEFECT = pytest.mark.xfail(
-    reason="instances/supervisor.py Supervisor._attempt persists the new ProcessRecord in a "
-    "task it does not await before waiting for readiness: a host killed between spawn and that "
-    "write restarts with the instance 'stopped' and its backend alive and unmanaged",
-    strict=False,
-)
-
-
-@pytest.mark.parametrize("mode", [pytest.param("start", marks=MID_START_DEFECT), "stop", "write"])
+@pytest.mark.parametrize("mode", ["start", "stop", "write"])
 def test_host_sigkill_mid_operation(tmp_path: Path, mode: str) -> None:
     rng = random.Random(7)
     problems: list[str] = []

@@ -21,6 +21,7 @@ from typing import Any
 from solar_host.backends.base import HostFacts
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
+from solar_host.instances import process as procs
 from solar_host.instances.errors import (
     InstanceConflict,
     InstanceNotFound,
@@ -120,6 +121,7 @@ class InstanceManager:
             if sup.stored.want_running and inst.status in (S.STOPPED, S.FAILED):
                 to_start.append(sup)
         await self.persist()
+        await self._reap_orphans()
         self._sweep_prompt_caches(adopted_sups)
         sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
 
@@ -132,6 +134,23 @@ class InstanceManager:
 
         await asyncio.gather(*(start_one(s) for s in to_start))
         self.boot_done.set()
+
+    async def _reap_orphans(self) -> None:
+        """Stop backends that write into our LOG_DIR but that no instance owns.
+
+        A host killed between spawning a backend and recording it (or while deleting an
+        instance) leaves such a process behind: it is ours, because its output goes to one of
+        our log files, and nothing will ever manage it.
+        """
+        owned = {s.proc.pid for s in self.supervisors.values() if s.proc is not None}
+        writers = await asyncio.to_thread(procs.log_writers, self.settings.log_dir)
+        for pid, path in writers.items():
+            if pid in owned:
+                continue
+            log.warning("stopping unmanaged backend pid %s (it writes %s)", pid, path.name)
+            orphan = procs.adopt_any(pid)
+            if orphan is not None:
+                await procs.terminate(orphan, self.settings.stop_grace_s)
 
     def _sweep_prompt_caches(self, adopted: list[Supervisor]) -> None:
         """Leftover SGLang caches go, after re-adoption so a live backend keeps its own."""
@@ -343,7 +362,8 @@ class InstanceManager:
         sup = self._sup(instance_id)
         async with sup.lock:
             inst = sup.instance
-            if inst.status not in (S.STOPPED, S.FAILED):
+            starting = sup.start_task is not None and not sup.start_task.done()
+            if starting or inst.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot update a running instance. Stop it first.")
             new_config = None
             if "config" in fields and fields["config"] is not None:
@@ -371,7 +391,8 @@ class InstanceManager:
     async def delete(self, instance_id: str) -> Instance:
         sup = self._sup(instance_id)
         async with sup.lock:
-            if sup.instance.status not in (S.STOPPED, S.FAILED):
+            starting = sup.start_task is not None and not sup.start_task.done()
+            if starting or sup.instance.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot delete a running instance. Stop it first.")
             sup.deleted = True
             sup._cancel(sup.restart_task)

@@ -123,6 +123,43 @@ def adopt(
     return None
 
 
+def adopt_any(pid: int) -> BackendProcess | None:
+    """Wrap a live process by pid alone (its identity is taken from it now)."""
+    try:
+        p = psutil.Process(pid)
+        return BackendProcess(
+            pid=pid, create_time=p.create_time(), cmdline=p.cmdline(), start_ticks=start_ticks(pid)
+        )
+    except (psutil.Error, OSError):
+        return None
+
+
+def log_writers(log_dir: Path) -> dict[int, Path]:
+    """Process-group leaders whose stdout is a file in `log_dir` (backends we spawned)."""
+    try:
+        root = log_dir.resolve()
+    except OSError:
+        return {}
+    found: dict[int, Path] = {}
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if pid == me:
+            continue
+        try:
+            target = Path(os.readlink(f"/proc/{pid}/fd/1"))
+            if target.parent != root or target.suffix != ".log":
+                continue
+            if os.getpgid(pid) != pid:
+                continue  # a worker of a backend: its group leader is what we stop
+        except OSError:
+            continue
+        found[pid] = target
+    return found
+
+
 def signal_group(proc: BackendProcess, sig: int) -> None:
     """Signal the backend's whole process group (its workers too), never another process."""
     if not proc.alive():

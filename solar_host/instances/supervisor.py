@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import process as procs
-from solar_host.instances.errors import InstanceConflict, StartFailed
+from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
 from solar_host.instances.states import InstanceStatus, check_transition
@@ -97,6 +97,8 @@ class Supervisor:
     async def start(self) -> Any:
         """Start (or join the start in flight) and return the running instance."""
         async with self.lock:
+            if self.deleted:
+                raise InstanceNotFound(self.id)
             if self.status == S.RUNNING and self.proc is not None and self.proc.alive():
                 return self.instance
             if self.start_task is None or self.start_task.done():
@@ -109,8 +111,9 @@ class Supervisor:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled():
-                raise StartFailed(
-                    self.id, "the start was cancelled by a stop or delete", None, self._tail()
+                # Not a failure of the backend: another call (stop, restart, delete) won.
+                raise InstanceConflict(
+                    "The start was cancelled by a stop issued while it was in progress"
                 ) from None
             raise
 
@@ -224,6 +227,9 @@ class Supervisor:
             env.pop(k, None)
         env.update(spec.env)
 
+        if self.deleted:
+            self.m.ports.release(port)
+            raise AttemptFailed("the instance was deleted", None, retryable=False)
         log_path = new_log_path(settings.log_dir, alias_safe(config.alias), self.id)
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
@@ -247,17 +253,14 @@ class Supervisor:
         self.set_status(S.STARTING, reason="spawned", pid=proc.pid)
         self._ready = asyncio.Event()
         self._follow(log_path, offset=0, ready_check=backend)
-        persist = asyncio.create_task(self.m.persist())
         try:
+            # The process record is on disk before we wait: a host killed from here on finds
+            # the backend at boot (the backend loads its model meanwhile, so this costs no time).
+            await self.m.persist()
             await self._wait_ready(proc, backend, config.host, port, timeout)
-        except BaseException as err:
+        except BaseException:
             await self._teardown_attempt(proc, port)
-            if isinstance(err, asyncio.CancelledError):
-                raise
             raise
-        finally:
-            with contextlib.suppress(Exception):
-                await persist
         # Ready.
         now = time.monotonic()
         first = self.follower.first_line_at if self.follower else None
