@@ -218,6 +218,16 @@ def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any
     app.include_router(models_api.router)
 
     install_openapi_security(app)
+    from solar_host.api.hotpaths import HotPathMiddleware
+    from solar_host.api.system import health_body
+
+    app.add_middleware(
+        HotPathMiddleware,
+        routes={
+            "/instances": lambda: host.instances.list_json(),
+            "/health": lambda: health_body(host),
+        },
+    )
     app.add_middleware(APIKeyMiddleware, get_key=host.key, is_public=host_public_paths(host))
     from solar_host.api.limits import BodyLimitMiddleware
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from solar_host import __version__
@@ -33,15 +35,22 @@ async def root(request: Request) -> dict[str, Any]:
     }
 
 
+def health_body(host: Any) -> bytes:
+    """The /health answer (shared with the hot path, so both are byte-identical)."""
+    return json.dumps(
+        {
+            "status": "healthy",
+            "service": "solar-host",
+            "version": __version__,
+            "disk": disk_info(host.probe, host.settings.models_dir),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
 @router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
-    host = request.app.state.host
-    return {
-        "status": "healthy",
-        "service": "solar-host",
-        "version": __version__,
-        "disk": disk_info(host.probe, host.settings.models_dir),
-    }
+async def health(request: Request) -> Response:
+    return Response(health_body(request.app.state.host), media_type="application/json")
 
 
 @router.get(
