@@ -257,6 +257,13 @@ def vision_capabilities_of_dir(model_dir: str | Path | None) -> list[str] | None
     return None
 
 
+def utc_now_iso() -> str:
+    """Timestamps in parsed metrics: ISO-8601 UTC, as control and the API expect."""
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).isoformat()
+
+
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 

@@ -18,7 +18,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import ClassVar
 
@@ -32,6 +31,7 @@ from solar_host.backends.base import (
     LaunchSpec,
     ParseResult,
     RuntimeState,
+    utc_now_iso,
 )
 from solar_host.backends.llamacpp_config import LlamaCppConfig
 
@@ -95,10 +95,6 @@ _EVAL = re.compile(
     r"\s*\(\s*([0-9.]+)\s*ms per token,\s*([0-9.]+)\s*tokens per second"
 )
 _N_TOKENS = re.compile(r"n_tokens\s*=\s*(\d+)")
-
-
-def _now_iso() -> str:
-    return datetime.now(UTC).isoformat()
 
 
 @dataclass(slots=True)
@@ -307,7 +303,7 @@ class LlamaCppLogParser:
             decode_ms_per_token=p.decode_ms_per_token,
             source="log",
             started_at=p.started_at,
-            finished_at=_now_iso(),
+            finished_at=utc_now_iso(),
         )
 
     # -- metrics --
@@ -342,7 +338,7 @@ class LlamaCppLogParser:
         if pending is None or (
             replace_other_task and task is not None and task >= 0 and pending.task_id != task
         ):
-            pending = _Pending(slot, task if task is not None else -1, _now_iso())
+            pending = _Pending(slot, task if task is not None else -1, utc_now_iso())
             self.pending[slot] = pending
         return pending
 

@@ -18,7 +18,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,6 +31,7 @@ from solar_host.backends.base import (
     LaunchSpec,
     ParseResult,
     RuntimeState,
+    utc_now_iso,
     vision_capabilities_of_dir,
 )
 from solar_host.backends.sglang_config import SglangConfig
@@ -140,10 +140,6 @@ def _float(fields: dict[str, str], key: str) -> float | None:
         return None
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
 @dataclass(slots=True)
 class _Prefill:
     """A prompt being prefilled, possibly over several chunks."""
@@ -199,7 +195,7 @@ class SglangLogParser:
     lock keeps the shared request bookkeeping consistent.
     """
 
-    def __init__(self, clock: Callable[[], str] = _now, history: int = 100):
+    def __init__(self, clock: Callable[[], str] = utc_now_iso, history: int = 100):
         self._clock = clock
         self._lock = threading.Lock()
         self._state = RuntimeState()
