@@ -201,6 +201,30 @@ def inventory(root: Path) -> list[tuple[str, int]]:
     return out
 
 
+def sync_tree(root: Path) -> None:
+    """fsync every regular file and directory under `root` (symlinks are not followed).
+
+    Run before a finished tree is renamed into place: a model whose name survived a crash must
+    have whole files. Files already fsynced (OCI blobs) cost almost nothing here; the others
+    (unpacked or copied layers, HuggingFace downloads) are flushed now.
+    """
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for fn in filenames:
+            p = os.path.join(dirpath, fn)
+            if os.path.islink(p) or not os.path.isfile(p):
+                continue
+            _fsync_path(p, os.O_RDONLY)
+        _fsync_path(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def largest_gguf(root: Path) -> Path | None:
     """The model file of a llama.cpp artifact: the largest *.gguf (root first, then anywhere),
     the trailing shards of a split GGUF dropped so the first shard is what llama.cpp opens."""

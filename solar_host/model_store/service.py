@@ -35,6 +35,7 @@ from solar_host.model_store.pull import (
     inventory,
     largest_gguf,
     split_ref,
+    sync_tree,
 )
 from solar_host.model_store.sources import SourceError, confine, repo_base_uri, slug_for
 from solar_host.resources.probes import GB, disk_usage
@@ -472,6 +473,7 @@ class ModelStore:
         else:
             src = partial
         files = inventory(src)
+        sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
         if target.exists():
             shutil.rmtree(target)  # a stale directory without a manifest entry
         os.replace(src, target)
