@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import sys
@@ -344,6 +345,169 @@ async def test_oci_resume_after_interrupted_pull(tmp_path, reg):
         assert hashlib.sha256(Path(res["path"], "big.gguf").read_bytes()).digest() == (
             hashlib.sha256(payload).digest()
         )
+        assert not (store.models_dir / ".partial").exists()
+    finally:
+        proxy.close()
+
+
+async def test_oci_stream_ring_writeback_and_fsync_before_rename(tmp_path, reg, monkeypatch):
+    """A blob several times the buffer ring, of an odd size, arrives whole; it is fsynced as
+    `.part`, complete, before the rename; writeback is started along the way; every placed file
+    is fsynced before the model directory is renamed into place."""
+    from solar_host.model_store import oci, pull
+
+    monkeypatch.setattr(oci, "BUF_SIZE", 64 * 1024)
+    monkeypatch.setattr(oci, "BUFFERS", 2)
+    monkeypatch.setattr(oci, "WRITEBACK_EVERY", 128 * 1024)
+    writebacks: list[tuple[int, int]] = []
+    start_writeback = oci._start_writeback
+
+    def record_writeback(fd, offset, length):
+        writebacks.append((offset, length))
+        start_writeback(fd, offset, length)
+
+    monkeypatch.setattr(oci, "_start_writeback", record_writeback)
+    durable: list[tuple[str, int]] = []
+    make_durable = oci.make_durable
+
+    def record_durable(fd):
+        durable.append((os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        make_durable(fd)
+
+    monkeypatch.setattr(oci, "make_durable", record_durable)
+    synced: list[str] = []
+    fsync_path = pull._fsync_path
+
+    def record_sync(path, flags):
+        synced.append(path)
+        fsync_path(path, flags)
+
+    monkeypatch.setattr(pull, "_fsync_path", record_sync)
+
+    art = tmp_path / "art"
+    art.mkdir()
+    payload = os.urandom(1_000_003)
+    (art / "w.gguf").write_bytes(payload)
+    reg.push("proj/ring:v1", [Path("w.gguf")], art)
+    store = harbor_store(tmp_path, reg)
+    await store.start()
+    res = await store.pull(
+        {"source": "harbor", "source_uri": "repo://ring:v1", "harbor_ref": "proj/ring:v1"}
+    )
+    assert Path(res["path"], "w.gguf").read_bytes() == payload
+    hexd = hashlib.sha256(payload).hexdigest()
+    assert durable == [
+        (
+            str(store.models_dir / ".partial" / "repo--ring--v1" / "blobs" / f"sha256-{hexd}.part"),
+            len(payload),
+        )
+    ]
+    # Contiguous ranges from the start, each at least WRITEBACK_EVERY long.
+    assert writebacks and writebacks[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(writebacks))
+    assert all(n >= 128 * 1024 for _, n in writebacks)
+    tree = store.models_dir / ".partial" / "repo--ring--v1" / "tree"
+    assert str(tree / "w.gguf") in synced and str(tree) in synced
+
+
+async def test_oci_write_failure_mid_stream_is_507_without_hanging(tmp_path, reg, monkeypatch):
+    """A full disk (ENOSPC from a write, which cannot be produced safely here) stops the
+    receiving, hashing and writing threads and reports 507 once."""
+    import errno
+
+    from solar_host.model_store import oci
+
+    monkeypatch.setattr(oci, "BUF_SIZE", 64 * 1024)
+    monkeypatch.setattr(oci, "BUFFERS", 2)
+    calls = []
+    write_all = oci._write_all
+
+    def failing_write(fd, view):
+        calls.append(len(view))
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, view)
+
+    monkeypatch.setattr(oci, "_write_all", failing_write)
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "w.gguf").write_bytes(os.urandom(2_000_000))
+    reg.push("proj/full:v1", [Path("w.gguf")], art)
+    store = harbor_store(tmp_path, reg)
+    await store.start()
+    events: list[dict] = []
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(
+            store.pull(
+                {"source": "harbor", "source_uri": "repo://full:v1", "harbor_ref": "proj/full:v1"},
+                events.append,
+            ),
+            20,
+        )
+    assert err.value.status_code == 507 and "disk space" in err.value.detail
+    assert_one_terminal(events, "failed")
+    assert len(calls) == 3  # nothing written after the failure
+    assert store.list_models() == []
+    assert not (store.models_dir / "repo--full--v1").exists()
+
+
+async def test_oci_disk_floor_abort_mid_download(tmp_path, reg):
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "big.gguf").write_bytes(os.urandom(3_000_000))
+    reg.push("proj/floor:v1", [Path("big.gguf")], art)
+    proxy = StallProxy(reg.host)
+    try:
+        proxy.stall_after = 500_000  # the download hangs mid-way while the disk fills up
+        probe = FakeDisk(lambda n: 100 * GB if n <= 2 else 1 * GB)
+        store = harbor_store(
+            tmp_path, reg, harbor_url=f"http://{proxy.host}", probe=probe, min_free_disk_gb=2
+        )
+        await store.start()
+        events: list[dict] = []
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(
+                store.pull(
+                    {
+                        "source": "harbor",
+                        "source_uri": "repo://floor:v1",
+                        "harbor_ref": "proj/floor:v1",
+                    },
+                    events.append,
+                ),
+                20,
+            )
+        assert err.value.status_code == 507 and "during download" in err.value.detail
+        assert_one_terminal(events, "failed")
+        assert not (store.models_dir / ".partial" / "repo--floor--v1").exists()
+        assert not (store.models_dir / "repo--floor--v1").exists()
+        assert store.list_models() == []
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("whole", [True, False])
+async def test_oci_complete_part_left_by_a_crash(tmp_path, reg, whole):
+    """A `.part` with every byte but no rename (a crash after the last write): verified and kept
+    without asking for an empty Range (a 416), or fetched again when its bytes are wrong."""
+    art = tmp_path / "art"
+    art.mkdir()
+    payload = os.urandom(300_000)
+    (art / "w.gguf").write_bytes(payload)
+    reg.push("proj/whole:v1", [Path("w.gguf")], art)
+    proxy = StallProxy(reg.host)
+    try:
+        store = harbor_store(tmp_path, reg, harbor_url=f"http://{proxy.host}")
+        await store.start()
+        blobs = store.models_dir / ".partial" / "repo--whole--v1" / "blobs"
+        blobs.mkdir(parents=True)
+        hexd = hashlib.sha256(payload).hexdigest()
+        (blobs / f"sha256-{hexd}.part").write_bytes(payload if whole else os.urandom(300_000))
+        res = await store.pull(
+            {"source": "harbor", "source_uri": "repo://whole:v1", "harbor_ref": "proj/whole:v1"}
+        )
+        assert Path(res["path"], "w.gguf").read_bytes() == payload
+        assert proxy.ranges == []
         assert not (store.models_dir / ".partial").exists()
     finally:
         proxy.close()

@@ -253,11 +253,12 @@ class Registry:
         return final
 
 
-# Streaming: one thread receives into a ring of preallocated buffers and writes each full buffer
-# with os.write; a second thread hashes the same buffers and hands them back. recv and sha256
-# (~0.4 CPU-s per 500 MB that curl does not spend) run on two cores, hashlib releases the GIL
-# for buffers this large, and no bytes object is allocated per chunk. The ring bounds memory
-# (BUFFERS * BUF_SIZE per blob in flight) and makes the receiver wait when hashing falls behind.
+# Streaming is a pipeline of three threads over a ring of preallocated buffers: the receiver
+# fills a buffer from the socket, the hasher hashes it, the writer os.writes it and hands it back.
+# recv, sha256 (~0.4 CPU-s per 500 MB that curl does not spend) and the copy into the page cache
+# run in parallel (hashlib and os.write release the GIL), a write stalled by the disk does not
+# stop the socket, and no bytes object is allocated per chunk. The ring bounds memory
+# (BUFFERS * BUF_SIZE per blob in flight) and makes the receiver wait when a stage falls behind.
 BUF_SIZE = 1 << 20
 BUFFERS = 8
 # Start the disk writes of what was written every this many bytes, so the fsync that makes the
@@ -279,41 +280,66 @@ def _durable_rename(part: Path, final: Path) -> None:
     os.replace(part, final)
 
 
-class _HashPipe:
-    """A thread hashing filled buffers in order; `take()` yields a free buffer to fill."""
+class _Pipeline:
+    """Hash, then write to `fd` at `offset`, each buffer given in order; `take()` a free one."""
 
-    def __init__(self, hasher: Any) -> None:
+    def __init__(self, hasher: Any, fd: int, offset: int, counter: ByteCounter) -> None:
         self.hasher = hasher
+        self.fd = fd
+        self.counter = counter
+        self.start = self.flushed = self.end = offset
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._full: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+        self._to_hash: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
+        self._to_write: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
         for _ in range(BUFFERS):
             self._free.put(bytearray(BUF_SIZE))
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="blob-hash", daemon=True)
-        self._thread.start()
+        self.error: BaseException | None = None  # the first failure of a stage (ENOSPC, ...)
+        self._threads = [
+            threading.Thread(target=self._hash, name="blob-hash", daemon=True),
+            threading.Thread(target=self._write, name="blob-write", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
 
-    def _run(self) -> None:
-        while (item := self._full.get()) is not None:
+    def _hash(self) -> None:
+        while (item := self._to_hash.get()) is not None:
+            if self.error is None:
+                try:
+                    self.hasher.update(memoryview(item[0])[: item[1]])
+                except BaseException as err:
+                    self.error = err
+            self._to_write.put(item)
+        self._to_write.put(None)
+
+    def _write(self) -> None:
+        while (item := self._to_write.get()) is not None:
             buf, n = item
             if self.error is None:
                 try:
-                    self.hasher.update(memoryview(buf)[:n])
-                except BaseException as err:  # reported by close(); keep recycling buffers
+                    _write_all(self.fd, memoryview(buf)[:n])
+                    self.end += n
+                    self.counter.add(n)
+                    if self.end - self.flushed >= WRITEBACK_EVERY:
+                        _start_writeback(self.fd, self.flushed, self.end - self.flushed)
+                        self.flushed = self.end
+                except BaseException as err:
                     self.error = err
-            self._free.put(buf)
+            self._free.put(buf)  # also after a failure: the receiver must never wait forever
 
     def take(self) -> bytearray:
         return self._free.get()
 
     def give(self, buf: bytearray, n: int) -> None:
-        self._full.put((buf, n))
+        self._to_hash.put((buf, n))
 
-    def close(self) -> None:
-        """Wait until every submitted buffer is hashed."""
-        self._full.put(None)
-        self._thread.join()
+    def close(self) -> int:
+        """Wait until every buffer given is hashed and written; return the bytes written."""
+        self._to_hash.put(None)
+        for t in self._threads:
+            t.join()
         if self.error is not None:
             raise self.error
+        return self.end - self.start
 
 
 def _body_reader(resp: Any, length: int) -> Callable[[memoryview], int]:
@@ -368,7 +394,7 @@ def _stream(
     counter: ByteCounter,
     cancel: CancelToken,
 ) -> int:
-    """Write the body (`expected` bytes) to `fd` from `offset`, hashing it on another thread.
+    """Write the body (`expected` bytes) to `fd` from `offset`, hashing it on the way.
 
     Every byte received is written before this returns, whatever ends the stream (a cancel
     closes the socket under a blocked read), so a resume continues exactly where it stopped.
@@ -376,18 +402,17 @@ def _stream(
     os.ftruncate(fd, offset)
     os.lseek(fd, offset, os.SEEK_SET)
     read = _body_reader(resp, expected)
-    pipe = _HashPipe(hasher)
-    written = 0
-    flushed = offset
+    pipe = _Pipeline(hasher, fd, offset, counter)
+    received = 0
     failure: BaseException | None = None
     try:
-        while failure is None and not cancel.is_set():
+        while not cancel.is_set() and pipe.error is None:
             buf = pipe.take()
-            view = memoryview(buf)[: min(BUF_SIZE, expected - written)]
+            view = memoryview(buf)[: min(BUF_SIZE, expected - received)]
             n = 0
             try:
-                # Fill the buffer (each read returns what has arrived): one write and one hash
-                # per MiB, however the network splits the stream.
+                # Fill the buffer (a read returns what has arrived): one hash and one write per
+                # MiB, however the network splits the stream.
                 while n < len(view):
                     got = read(view[n:])
                     if not got:
@@ -396,20 +421,15 @@ def _stream(
             except Exception as err:
                 failure = err
             if n:
-                _write_all(fd, view[:n])
                 pipe.give(buf, n)
-                written += n
-                counter.add(n)
-                if offset + written - flushed >= WRITEBACK_EVERY:
-                    _start_writeback(fd, flushed, offset + written - flushed)
-                    flushed = offset + written
-            if not n or written >= expected:
+                received += n
+            if failure is not None or not n or received >= expected:
                 break
     finally:
-        pipe.close()
+        written = pipe.close()  # a write error (ENOSPC) is raised from here as is
     if cancel.is_set():
         return written
-    if failure is not None:  # only reads are guarded: a write error (ENOSPC) propagates as is
+    if failure is not None:
         raise PullError(502, "source_unreachable", f"Download interrupted: {failure}") from failure
     if written < expected:
         raise PullError(
