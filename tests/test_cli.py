@@ -20,7 +20,7 @@ from solar_host.client import HostClient
 from solar_host.events import PullProgress
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
-from tests.fixtures.script_backend import ScriptBackend
+from tests.fixtures.script_backend import ScriptBackend, script_config
 
 REPO = Path(__file__).resolve().parents[1]
 # What the CLI reads from the environment: a test sets what it needs, nothing leaks in.
@@ -53,15 +53,7 @@ async def cli(
 
 
 def model_cfg(tmp_path: Path, *fake_args: str) -> dict[str, Any]:
-    model = tmp_path / "models" / "m.gguf"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_bytes(b"GGUF")
-    return {
-        "backend_type": "llamacpp",
-        "alias": "fake:1b",
-        "model": str(model),
-        "fake_args": list(fake_args),
-    }
+    return script_config(tmp_path, *fake_args)
 
 
 async def test_commands_and_exit_codes(tmp_path: Path) -> None:

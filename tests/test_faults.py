@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests.fixtures.hostproc import HostProc
+from tests.fixtures.script_backend import script_config
 
 ROUNDS = 20 if os.environ.get("SOLAR_LONG_TESTS") else 2
 SETTLED = {"running", "stopped", "failed"}
@@ -37,15 +38,7 @@ def owner(p: psutil.Process) -> str:
 
 
 def cfg(h: HostProc, alias: str, *fake: str) -> dict[str, Any]:
-    model = h.tmp / "models" / "m.gguf"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_bytes(b"GGUF")
-    return {
-        "backend_type": "llamacpp",
-        "alias": alias,
-        "model": str(model),
-        "fake_args": list(fake),
-    }
+    return script_config(h.tmp, *fake, alias=alias)
 
 
 def settled(c: httpx.Client, timeout: float = 30.0) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,7 @@ import pytest
 
 from solar_host.backends.registry import BackendRegistry
 from tests.fixtures.host import host_settings, running_host
-from tests.fixtures.script_backend import ScriptBackend
+from tests.fixtures.script_backend import ScriptBackend, script_config
 
 
 def registry(health: bool = True) -> BackendRegistry:
@@ -21,16 +21,7 @@ def registry(health: bool = True) -> BackendRegistry:
 
 
 def cfg(tmp_path: Path, *fake_args: str, alias: str = "fake:1b", **extra: object) -> dict:
-    model = tmp_path / "models" / "m.gguf"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_bytes(b"GGUF")
-    return {
-        "backend_type": "llamacpp",
-        "alias": alias,
-        "model": str(model),
-        "fake_args": list(fake_args),
-        **extra,
-    }
+    return script_config(tmp_path, *fake_args, alias=alias, **extra)
 
 
 async def create(h, config: dict, **top: object) -> str:

@@ -18,7 +18,7 @@ import pytest
 from solar_host.backends.registry import BackendRegistry
 from solar_host.logging_setup import configure_logging
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
-from tests.fixtures.script_backend import ScriptBackend
+from tests.fixtures.script_backend import ScriptBackend, script_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,15 +33,7 @@ def restore_logging() -> Iterator[None]:
 
 
 def failing_config(tmp_path: Path) -> dict:
-    model = tmp_path / "models" / "m.gguf"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_bytes(b"GGUF")
-    return {
-        "backend_type": "llamacpp",
-        "alias": "broken:1b",
-        "model": str(model),
-        "fake_args": ["--exit-after", "0", "--exit-code", "3"],
-    }
+    return script_config(tmp_path, "--exit-after", "0", "--exit-code", "3", alias="broken:1b")
 
 
 async def test_text_lines_carry_request_and_instance_ids(

@@ -20,7 +20,7 @@ from solar_host.metrics import Family, write_families
 from tests.fixtures.control_server import ControlServer
 from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.probes import FakeProbe
-from tests.fixtures.script_backend import ScriptBackend
+from tests.fixtures.script_backend import ScriptBackend, script_config
 
 
 def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -44,15 +44,7 @@ async def scrape(client: httpx.AsyncClient) -> dict:
 
 
 def cfg(tmp_path: Path, *fake_args: str) -> dict[str, Any]:
-    model = tmp_path / "models" / "m.gguf"
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.write_bytes(b"GGUF")
-    return {
-        "backend_type": "llamacpp",
-        "alias": "fake:1b",
-        "model": str(model),
-        "fake_args": list(fake_args),
-    }
+    return script_config(tmp_path, *fake_args)
 
 
 async def wait_until(pred, within_s: float = 10.0) -> None:
