@@ -58,5 +58,11 @@ class StartFailed(InstanceError):
         }
 
 
+class NotPersisted(InstanceError):
+    """config.json could not be written (disk full, read-only): the change was undone."""
+
+    status = 507
+
+
 class StopFailed(InstanceError):
     status = 500

@@ -26,6 +26,7 @@ from solar_host.instances.errors import (
     InstanceConflict,
     InstanceNotFound,
     InvalidInstanceConfig,
+    NotPersisted,
 )
 from solar_host.instances.logs import (
     InotifyHub,
@@ -213,11 +214,21 @@ class InstanceManager:
         self.bus.publish(InstancesChanged(instance_id, status, reason))
 
     async def persist(self) -> None:
+        """Save config.json; a failure is logged (used where the change already happened)."""
+        try:
+            await self.persist_or_raise()
+        except NotPersisted as err:
+            log.error("%s", err.detail)
+
+    async def persist_or_raise(self) -> None:
+        """Save config.json or raise NotPersisted (507), so the caller can undo its change."""
         records = [s.stored for s in self.supervisors.values()]
         try:
             await self.store.save(records, self.roles)
         except OSError as err:
-            log.error("cannot write %s: %s", self.store.path, err)
+            raise NotPersisted(
+                f"Cannot write {self.store.path}: {err.strerror or err}; nothing was changed"
+            ) from None
 
     def persist_soon(self) -> None:
         """Persist without waiting (saves coalesce; the newest snapshot wins)."""
@@ -354,8 +365,12 @@ class InstanceManager:
         )
         sup = Supervisor(self, StoredInstance(instance=inst))
         self.supervisors[inst.id] = sup
+        try:
+            await self.persist_or_raise()
+        except NotPersisted:
+            self.supervisors.pop(inst.id, None)
+            raise
         self.changed(inst.id, inst.status.value, "created")
-        await self.persist()
         return inst
 
     async def update(self, instance_id: str, fields: dict[str, Any]) -> Instance:
@@ -382,10 +397,16 @@ class InstanceManager:
                     raise InvalidInstanceConfig(
                         [{"loc": ["body", "priority"], "msg": "Invalid priority", "type": "enum"}]
                     ) from None
+            before = {k: getattr(inst, k) for k in changes}
             for k, v in changes.items():
                 setattr(inst, k, v)
+            try:
+                await self.persist_or_raise()
+            except NotPersisted:
+                for k, v in before.items():
+                    setattr(inst, k, v)
+                raise
             self.changed(instance_id, inst.status.value, "updated")
-        await self.persist()
         return inst
 
     async def delete(self, instance_id: str) -> Instance:
@@ -394,13 +415,17 @@ class InstanceManager:
             starting = sup.start_task is not None and not sup.start_task.done()
             if starting or sup.instance.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot delete a running instance. Stop it first.")
+            self.supervisors.pop(instance_id, None)
+            try:
+                await self.persist_or_raise()
+            except NotPersisted:
+                self.supervisors[instance_id] = sup
+                raise
             sup.deleted = True
             sup._cancel(sup.restart_task)
             await sup.kill_recorded()
-            self.supervisors.pop(instance_id, None)
         sup.ring.notify()  # log streamers wake, see the instance gone, and close
         self.changed(instance_id, None, "deleted")
-        await self.persist()
         sup._after_stop_hook()
         return sup.instance
 

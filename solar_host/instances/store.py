@@ -89,6 +89,7 @@ class InstanceStore:
         self.models_dir = models_dir
         self._lock = asyncio.Lock()
         self._pending: bytes | None = None
+        self._last_error: OSError | None = None
 
     @property
     def rejected_path(self) -> Path:
@@ -182,14 +183,21 @@ class InstanceStore:
         return json.dumps(doc, indent=2).encode()
 
     async def save(self, records: list[StoredInstance], roles: list[str]) -> None:
-        """Persist a snapshot. Concurrent saves coalesce: the newest snapshot wins."""
-        data = self.encode(records, roles)
-        self._pending = data
+        """Persist a snapshot. Concurrent saves coalesce: the newest snapshot wins, and a
+        caller whose snapshot was superseded gets the outcome of the write that covered it."""
+        self._pending = self.encode(records, roles)
         async with self._lock:
             if self._pending is None:
-                return  # a save that ran while we waited already wrote a newer snapshot
+                if self._last_error is not None:
+                    raise self._last_error
+                return
             data, self._pending = self._pending, None
-            await asyncio.to_thread(atomic_write_bytes, self.path, data)
+            try:
+                await asyncio.to_thread(atomic_write_bytes, self.path, data)
+            except OSError as err:
+                self._last_error = err
+                raise
+            self._last_error = None
 
     def save_sync(self, records: list[StoredInstance], roles: list[str]) -> None:
         atomic_write_bytes(self.path, self.encode(records, roles))
