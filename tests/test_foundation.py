@@ -322,41 +322,48 @@ def test_write_killed_midway_leaves_old_file_intact(tmp_path: Path) -> None:
     assert not [q for q in tmp_path.iterdir() if q.name.endswith(".tmp")]
 
 
-async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(tmp_path: Path) -> None:
-    """config.json on a full filesystem: create/update/delete answer 507 and change nothing;
-    reads, health and starts keep working."""
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 256 KiB tmpfs (the test host is root, as in CI)."""
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)]).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        s = host_settings(tmp_path, config_file=small / "config.json")
-        async with running_host(s, backends=reg()) as h:
-            model = tmp_path / "m.gguf"
-            model.write_bytes(b"x")
-            cfg = {"alias": "a", "model": str(model)}
-            iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
-            fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
-            try:  # fill the filesystem to the last block
-                while True:
-                    os.write(fd, b"\0" * 4096)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-            r = await h.client.post("/instances", json={"config": {**cfg, "alias": "b"}})
-            assert r.status_code == 507 and "No space left" in r.json()["detail"]
-            r = await h.client.put(f"/instances/{iid}", json={"config": {**cfg, "alias": "c"}})
-            assert r.status_code == 507
-            r = await h.client.delete(f"/instances/{iid}")
-            assert r.status_code == 507
-            insts = (await h.client.get("/instances")).json()
-            assert [i["config"]["alias"] for i in insts] == ["a"]
-            assert (await h.client.get("/health")).status_code == 200
-            assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
-            assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
-            (small / "filler").unlink()
-            assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
-        assert json.loads((small / "config.json").read_text())["instances"] == []
-    finally:
-        subprocess.run(["umount", "-l", str(small)])
+    yield small
+    subprocess.run(["umount", "-l", str(small)])
+
+
+async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
+    tmp_path: Path, small_fs: Path
+) -> None:
+    """config.json on a full filesystem: create/update/delete answer 507 and change nothing;
+    reads, health and starts keep working."""
+    small = small_fs
+    s = host_settings(tmp_path, config_file=small / "config.json")
+    async with running_host(s, backends=reg()) as h:
+        model = tmp_path / "m.gguf"
+        model.write_bytes(b"x")
+        cfg = {"alias": "a", "model": str(model)}
+        iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
+        fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill the filesystem to the last block
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        r = await h.client.post("/instances", json={"config": {**cfg, "alias": "b"}})
+        assert r.status_code == 507 and "No space left" in r.json()["detail"]
+        r = await h.client.put(f"/instances/{iid}", json={"config": {**cfg, "alias": "c"}})
+        assert r.status_code == 507
+        r = await h.client.delete(f"/instances/{iid}")
+        assert r.status_code == 507
+        insts = (await h.client.get("/instances")).json()
+        assert [i["config"]["alias"] for i in insts] == ["a"]
+        assert (await h.client.get("/health")).status_code == 200
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+        (small / "filler").unlink()
+        assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+    assert json.loads((small / "config.json").read_text())["instances"] == []
