@@ -259,8 +259,10 @@ class Registry:
 # run in parallel (hashlib and os.write release the GIL), a write stalled by the disk does not
 # stop the socket, and no bytes object is allocated per chunk. The ring bounds memory
 # (BUFFERS * BUF_SIZE per blob in flight) and makes the receiver wait when a stage falls behind.
-BUF_SIZE = 1 << 20
-BUFFERS = 8
+# Sizes measured on a loaded 2-core machine: a deep ring (16 MiB) absorbs the stalls of the disk
+# and the scheduler; 256 KiB buffers cost less CPU than 1-4 MiB ones (hashed while still in cache).
+BUF_SIZE = 256 << 10
+BUFFERS = 64
 # Start the disk writes of what was written every this many bytes, so the fsync that makes the
 # blob durable finds little left to flush instead of the whole file.
 WRITEBACK_EVERY = 32 << 20
@@ -291,8 +293,7 @@ class _Pipeline:
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         self._to_hash: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
         self._to_write: queue.SimpleQueue[tuple[bytearray, int] | None] = queue.SimpleQueue()
-        for _ in range(BUFFERS):
-            self._free.put(bytearray(BUF_SIZE))
+        self._allocated = 0  # buffers are made on demand: a small blob needs only a few
         self.error: BaseException | None = None  # the first failure of a stage (ENOSPC, ...)
         self._threads = [
             threading.Thread(target=self._hash, name="blob-hash", daemon=True),
@@ -327,7 +328,13 @@ class _Pipeline:
             self._free.put(buf)  # also after a failure: the receiver must never wait forever
 
     def take(self) -> bytearray:
-        return self._free.get()
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            if self._allocated < BUFFERS:
+                self._allocated += 1
+                return bytearray(BUF_SIZE)
+            return self._free.get()
 
     def give(self, buf: bytearray, n: int) -> None:
         self._to_hash.put((buf, n))
@@ -412,7 +419,7 @@ def _stream(
             n = 0
             try:
                 # Fill the buffer (a read returns what has arrived): one hash and one write per
-                # MiB, however the network splits the stream.
+                # buffer, however the network splits the stream.
                 while n < len(view):
                     got = read(view[n:])
                     if not got:
