@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.server
 import itertools
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -383,6 +385,15 @@ async def test_oci_stream_ring_writeback_and_fsync_before_rename(tmp_path, reg, 
         fsync_path(path, flags)
 
     monkeypatch.setattr(pull, "_fsync_path", record_sync)
+    readers: list[str] = []
+    body_reader = oci._body_reader
+
+    def record_reader(resp, length):
+        reader = body_reader(resp, length)
+        readers.append(reader.__name__)
+        return reader
+
+    monkeypatch.setattr(oci, "_body_reader", record_reader)
 
     art = tmp_path / "art"
     art.mkdir()
@@ -406,8 +417,71 @@ async def test_oci_stream_ring_writeback_and_fsync_before_rename(tmp_path, reg, 
     assert writebacks and writebacks[0][0] == 0
     assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(writebacks))
     assert all(n >= 128 * 1024 for _, n in writebacks)
+    assert readers == ["read_socket"]  # a Content-Length body is read straight off the socket
     tree = store.models_dir / ".partial" / "repo--ring--v1" / "tree"
     assert str(tree / "w.gguf") in synced and str(tree) in synced
+
+
+class _BodyHandler(http.server.BaseHTTPRequestHandler):
+    """Serves `server.body` chunked, or with a Content-Length and only `server.send` bytes."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body, send = self.server.body, self.server.send  # type: ignore[attr-defined]
+        self.send_response(200)
+        if send is None:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(body), 70_001):
+                piece = body[i : i + 70_001]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:send])
+            self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("send", [None, 100_000], ids=["chunked", "closed-early"])
+def test_oci_stream_chunked_body_and_early_close(tmp_path, send):
+    """A chunked body goes through urllib3 into the same ring; a body cut short keeps every
+    byte received on disk and is a retryable 502, not an integrity failure."""
+    import requests
+
+    from solar_host.model_store import oci
+    from solar_host.model_store.progress import ByteCounter
+
+    body = os.urandom(300_003)
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BodyHandler)
+    srv.body, srv.send = body, send  # type: ignore[attr-defined]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        resp = requests.get(f"http://127.0.0.1:{srv.server_port}/blob", stream=True, timeout=10)
+        part = tmp_path / "blob.part"
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
+        hasher, counter = hashlib.sha256(), ByteCounter()
+        try:
+            if send is None:
+                n = oci._stream(resp, fd, 0, len(body), hasher, counter, oci.CancelToken())
+                assert n == counter.done == len(body)
+                assert hasher.digest() == hashlib.sha256(body).digest()
+            else:
+                with pytest.raises(PullError) as err:
+                    oci._stream(resp, fd, 0, len(body), hasher, counter, oci.CancelToken())
+                assert err.value.status_code == 502
+                assert "Download interrupted" in err.value.detail
+        finally:
+            os.close(fd)
+            resp.close()
+        assert part.read_bytes() == body[: send or len(body)]
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 async def test_oci_write_failure_mid_stream_is_507_without_hanging(tmp_path, reg, monkeypatch):
