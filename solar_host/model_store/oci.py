@@ -260,7 +260,8 @@ class Registry:
 # stop the socket, and no bytes object is allocated per chunk. The ring bounds memory
 # (BUFFERS * BUF_SIZE per blob in flight) and makes the receiver wait when a stage falls behind.
 # Sizes measured on a loaded 2-core machine: a deep ring (16 MiB) absorbs the stalls of the disk
-# and the scheduler; 256 KiB buffers cost less CPU than 1-4 MiB ones (hashed while still in cache).
+# and the scheduler; 256 KiB buffers cost less CPU than 1-4 MiB ones (likelier still in cache
+# when hashed and written).
 BUF_SIZE = 256 << 10
 BUFFERS = 64
 # Start the disk writes of what was written every this many bytes, so the fsync that makes the
