@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from solar_host.backends.registry import BackendRegistry
@@ -70,7 +71,14 @@ async def test_random_concurrent_calls(tmp_path: Path) -> None:
     slots: list[str | None] = [None] * SLOTS
 
     async with running_host(s, backends=BackendRegistry([ScriptBackend()])) as h:
-        c = h.client
+        # Every call may wait on the calls before it on the same instance (starts block until
+        # ready): give each its own connection and time, so the client is never the limit.
+        c = httpx.AsyncClient(
+            base_url=h.url,
+            headers={"X-API-Key": s.api_key},
+            timeout=600,
+            limits=httpx.Limits(max_connections=CALLS + 10, max_keepalive_connections=64),
+        )
 
         def cfg(i: int) -> dict[str, Any]:
             return {
@@ -112,7 +120,7 @@ async def test_random_concurrent_calls(tmp_path: Path) -> None:
 
         done = asyncio.Event()
         watcher = asyncio.create_task(watch_ports(done))
-        await asyncio.wait_for(asyncio.gather(*(call(n) for n in range(CALLS))), 240)
+        await asyncio.wait_for(asyncio.gather(*(call(n) for n in range(CALLS))), 900)
         done.set()
         await watcher
 
@@ -150,6 +158,7 @@ async def test_random_concurrent_calls(tmp_path: Path) -> None:
             await c.post(f"/instances/{iid}/stop")
             assert (await c.delete(f"/instances/{iid}")).status_code == 200
         assert (await c.get("/instances")).json() == []
+        await c.aclose()
     await asyncio.sleep(0.2)
     leaked = tagged(tag)
     for p in leaked:

@@ -94,26 +94,34 @@ class InstanceManager:
             self.roles = result.roles
         for stored in result.records:
             self.supervisors[stored.instance.id] = Supervisor(self, stored)
-        self._boot_task = asyncio.create_task(self._boot(), name="instances-boot")
+        to_start = await self._recover()
+        self._boot_task = asyncio.create_task(self._boot(to_start), name="instances-boot")
         self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
 
-    async def _boot(self) -> None:
-        """Re-adopt what still runs; start what should run but does not."""
+    async def _recover(self) -> list[Supervisor]:
+        """Re-adopt what still runs, stop what nobody owns; return what must start again.
+
+        Awaited before the host serves, so the first answer it gives already tells the truth
+        (no instance shown stopped while its backend still runs, or the other way round).
+        """
+
+        async def adopt(sup: Supervisor) -> bool:
+            if sup.stored.process is None:
+                return False
+            try:
+                return await sup.adopt()
+            except Exception:
+                log.exception("re-adoption of %s failed", sup.id)
+                return False
+
+        sups = list(self.supervisors.values())
+        adopted = await asyncio.gather(*(adopt(s) for s in sups))
         to_start: list[Supervisor] = []
-        adopted_sups: list[Supervisor] = []
-        for sup in list(self.supervisors.values()):
-            inst = sup.instance
-            was_active = inst.status in ACTIVE
-            adopted = False
-            if sup.stored.process is not None:
-                try:
-                    adopted = await sup.adopt()
-                except Exception:
-                    log.exception("re-adoption of %s failed", sup.id)
-            if adopted:
-                adopted_sups.append(sup)
+        for sup, ok in zip(sups, adopted, strict=True):
+            if ok:
                 continue
-            if was_active:
+            inst = sup.instance
+            if inst.status in ACTIVE:
                 # Its backend is gone: record that, then start it again if it is wanted.
                 inst.status = S.STOPPED
                 inst.pid = None
@@ -123,7 +131,11 @@ class InstanceManager:
                 to_start.append(sup)
         await self.persist()
         await self._reap_orphans()
-        self._sweep_prompt_caches(adopted_sups)
+        self._sweep_prompt_caches([s for s, ok in zip(sups, adopted, strict=True) if ok])
+        return to_start
+
+    async def _boot(self, to_start: list[Supervisor]) -> None:
+        """Start (in the background, bounded) what should run but does not."""
         sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
 
         async def start_one(sup: Supervisor) -> None:
