@@ -539,3 +539,121 @@ def test_stop_scanner_holds_back_possible_stop_prefixes() -> None:
     t = StopScanner([])
     assert t.update("ab\ufffd") == "ab"  # incomplete UTF-8 waits
     assert t.finish("abc") == "c" and t.final == "abc"
+
+
+# --- throughput pieces: threads, response body, marker log, batching bound ------------------
+
+
+def test_thread_candidates_and_tuner_follow_the_measured_cost() -> None:
+    from solar_host.servers.hf_runtime import ThreadTuner, thread_candidates
+
+    assert thread_candidates(3, {}, cpus=8) == [3]  # --num-threads wins
+    assert thread_candidates(0, {"OMP_NUM_THREADS": "4"}, cpus=8) == [4]  # then the operator
+    assert thread_candidates(0, {"OMP_NUM_THREADS": "x"}, cpus=2) == [1, 2]
+    assert thread_candidates(0, {}, cpus=1) == [1]
+    tuner = ThreadTuner([1, 2], min_rows=8)
+    cost = {1: 1.0, 2: 0.5}  # idle machine: two threads twice as fast
+    picks = []
+    for i in range(300):
+        if i == 150:
+            cost = {1: 1.0, 2: 3.0}  # neighbours arrive: two threads three times slower
+        t = tuner.choose(16)
+        first = t not in picks
+        picks.append(t)
+        tuner.record(t, cost[t] * (50 if first else 1), 100, 16)  # a first run pays warm-up
+        small = tuner.choose(2)  # a small batch runs on the best count and is not measured
+        assert small == tuner.best()
+        tuner.record(small, 99.0, 10, 2)
+    idle, loaded = picks[10:150], picks[160:]
+    assert idle.count(2) > 0.9 * len(idle) and 1 in idle  # the other one is re-measured
+    assert loaded.count(1) > 0.9 * len(loaded) and 2 in loaded
+    assert tuner.stats()["threads"] == 1
+
+
+def test_embeddings_body_is_exact_float32_json_and_refuses_nan() -> None:
+    from solar_host.servers.hf_protocol import embeddings_body
+
+    v = np.random.default_rng(0).standard_normal((3, 384)).astype(np.float32)
+    j = json.loads(embeddings_body(v, False, 'mini"lm', 9))
+    assert j["object"] == "list" and j["model"] == 'mini"lm'
+    assert j["usage"] == {"prompt_tokens": 9, "total_tokens": 9}
+    assert [d["index"] for d in j["data"]] == [0, 1, 2]
+    assert {d["object"] for d in j["data"]} == {"embedding"}
+    got = np.array([d["embedding"] for d in j["data"]], dtype=np.float32)
+    assert np.array_equal(got, v)  # '%.9g' round-trips every float32
+    b = json.loads(embeddings_body(v, True, "m", 9))["data"][1]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(b), "<f4"), v[1])
+    v[2, 7] = np.inf
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        embeddings_body(v, False, "m", 9)
+
+
+async def test_marker_log_writes_once_per_loop_turn_in_order(monkeypatch) -> None:
+    from solar_host.servers.hf_server import MarkerLog
+
+    writes: list[str] = []
+
+    class Out:
+        def write(self, s: str) -> None:
+            writes.append(s)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Out())
+    log = MarkerLog()
+    for i in range(3):
+        log.line(f"[COMPLETE] id=x-{i}")
+    assert writes == []  # not yet: the rest of this turn may add lines
+    await asyncio.sleep(0)
+    assert writes == ["[COMPLETE] id=x-0\n[COMPLETE] id=x-1\n[COMPLETE] id=x-2\n"]
+    log.line("[REQUEST] id=x-3")
+    await asyncio.sleep(0)
+    assert writes[-1] == "[REQUEST] id=x-3\n"
+
+
+async def test_batcher_waits_at_most_the_window_plus_one_forward_pass() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from solar_host.servers.hf_batcher import DynamicBatcher
+
+    forward_s, window_s = 0.15, 0.03
+    started: dict[int, float] = {}
+
+    def run(batch: list[int]) -> list[int]:
+        now = time.perf_counter()
+        for x in batch:
+            started[x] = now
+        time.sleep(forward_s)
+        return [x * 10 for x in batch]
+
+    with ThreadPoolExecutor(1) as pool:
+        b = DynamicBatcher(run, pool, max_batch_size=4, window_s=window_s)
+        b.start()
+        submitted: dict[int, float] = {}
+
+        async def one(x: int, delay: float) -> int:
+            await asyncio.sleep(delay)
+            submitted[x] = time.perf_counter()
+            return await b.submit(x, 1)
+
+        # 0 opens a batch; 1-3 join it in its window; 4-6 arrive during its forward pass.
+        delays = [0, 0.005, 0.01, 0.015, 0.06, 0.08, 0.1]
+        got = await asyncio.gather(*(one(x, d) for x, d in enumerate(delays)))
+        await b.stop()
+    assert got == [x * 10 for x in range(7)]
+    assert b.batches == 2 and b.max_requests_in_batch == 4
+    for x in range(7):
+        assert started[x] - submitted[x] <= window_s + forward_s + 0.05, x
+
+
+def test_server_reports_its_thread_choice(servers) -> None:
+    from solar_host.servers.hf_runtime import thread_candidates
+
+    s = servers["minilm"]
+    post(s, "/v1/embeddings", {"input": ["one", "two"]})
+    threads = httpx.get(s.url + "/v1/stats", headers=AUTH, timeout=5).json()["torch_threads"]
+    expected = thread_candidates(0, os.environ, len(os.sched_getaffinity(0)))
+    assert sorted(int(t) for t in threads["us_per_token"]) == expected
+    assert threads["threads"] in expected
+    assert f"torch threads: {'/'.join(map(str, expected))}" in s.log_text()

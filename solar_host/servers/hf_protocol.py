@@ -1,4 +1,4 @@
-"""Request parsing and response shapes of hf_server: pure Python, no torch.
+"""Request parsing and response shapes of hf_server: Python and numpy, no torch.
 
 Every bad input raises `APIError`, which the server turns into an OpenAI-style error body
 `{"error": {"message", "type", "code", "param"}}`. Parsing is hand-written (no pydantic) to
@@ -13,6 +13,8 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 MAX_STOP_SEQUENCES = 4
 
@@ -135,6 +137,42 @@ def parse_embedding(body: dict[str, Any]) -> EmbeddingRequest:
     if fmt not in ("float", "base64"):
         raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     return EmbeddingRequest(texts, fmt, _int(body, "dimensions", 1), _bool(body, "truncate", False))
+
+
+_ROW_FORMATS: dict[int, str] = {}
+
+
+def _float_row(values: list[float]) -> str:
+    """A JSON array body for one float32 vector: '%.9g' round-trips every float32 exactly,
+    in half the bytes of repr() and a third of json.dumps' time (one C-level format call)."""
+    n = len(values)
+    fmt = _ROW_FORMATS.get(n)
+    if fmt is None:
+        fmt = _ROW_FORMATS[n] = ",".join(["%.9g"] * n)
+    return fmt % tuple(values)
+
+
+def embeddings_body(vectors: Any, base64_format: bool, model: str, tokens: int) -> bytes:
+    """The /v1/embeddings response for a float32 array [n, d], written directly.
+
+    This is the hot path of a server that answers one sentence per request: building dicts of
+    Python floats and json.dumps-ing them cost ~0.5 ms per 384-d vector, more than the rest of
+    the request's handling. NaN/Infinity are refused as dumps() does (they are not JSON).
+    """
+    if base64_format:
+        raw = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+        items = ['"' + r + '"' for r in raw]
+    else:
+        if not np.isfinite(vectors).all():
+            raise ValueError("Out of range float values are not JSON compliant")
+        items = ["[" + _float_row(row) + "]" for row in vectors.tolist()]
+    data = ",".join(
+        f'{{"object":"embedding","embedding":{e},"index":{i}}}' for i, e in enumerate(items)
+    )
+    tail = dumps(
+        {"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    ).decode()
+    return f'{{"object":"list","data":[{data}],{tail[1:]}'.encode()
 
 
 @dataclass(slots=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,113 @@ def pick_dtype(requested: str, device: str) -> torch.dtype:
     return table[requested]
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_candidates(
+    requested: int, environ: Mapping[str, str] = os.environ, cpus: int | None = None
+) -> list[int]:
+    """torch intra-op thread counts to choose from: `requested` if > 0, else OMP_NUM_THREADS if
+    the operator set it, else every CPU and every CPU but one (which `ThreadTuner` picks from).
+
+    Neither is right everywhere. On an idle 2-CPU machine two threads ran a MiniLM batch of 32
+    in about half the time of one; on the same machine under load (other processes, plus our
+    event loop and the clients), one thread took 250-350 ms and two 870-1050 ms with 4x the CPU
+    time, as each of the forward pass's hundreds of parallel regions waited at its barrier for
+    a descheduled thread.
+    """
+    if requested > 0:
+        return [requested]
+    env = environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return [int(env)]
+    n = usable_cpus() if cpus is None else cpus
+    return sorted({max(1, n - 1), max(1, n)})
+
+
+class ThreadTuner:
+    """Picks the thread count of each batch from the measured cost of the candidates.
+
+    Cost is an exponential average of seconds per padded token. Every candidate is tried once,
+    then the cheapest one runs, and the others are re-measured now and then (conditions change:
+    the neighbours come and go), less often the costlier they were: exploring a count three
+    times slower than the best every 48 batches costs about 4% of the time. The first run of a
+    count is not recorded (it pays one-off warm-up costs that would condemn it for good).
+    """
+
+    def __init__(
+        self,
+        candidates: list[int],
+        explore_every: int = 16,
+        alpha: float = 0.5,
+        min_rows: int = 1,
+    ):
+        self.candidates = sorted(set(candidates)) or [1]
+        # Smaller batches neither explore nor count: their cost per token is mostly fixed
+        # overhead, and one of them would make a thread count look several times too slow.
+        self.min_rows = min_rows
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self.cost: dict[int, float | None] = dict.fromkeys(self.candidates)
+        self.last_run: dict[int, int] = dict.fromkeys(self.candidates, 0)
+        self.runs: dict[int, int] = dict.fromkeys(self.candidates, 0)
+        self.batches = 0
+
+    def best(self) -> int:
+        known = [(c, t) for t, c in self.cost.items() if c is not None]
+        return min(known)[1] if known else self.candidates[-1]
+
+    def choose(self, rows: int) -> int:
+        """The thread count for the next batch, of `rows` inputs."""
+        if rows < self.min_rows:
+            return self.best()
+        self.batches += 1
+        for t, c in self.cost.items():
+            if c is None:
+                return t
+        best = self.best()
+        best_cost = self.cost[best] or 1e-12
+        for t in self.candidates:
+            if t == best:
+                continue
+            ratio = (self.cost[t] or 0.0) / best_cost
+            interval = min(64.0, self.explore_every * max(1.0, ratio))
+            if self.batches - self.last_run[t] >= interval:
+                return t
+        return best
+
+    def record(self, threads: int, seconds: float, tokens: int, rows: int) -> None:
+        if threads not in self.cost or tokens <= 0 or rows < self.min_rows:
+            return
+        self.last_run[threads] = self.batches
+        self.runs[threads] += 1
+        if self.runs[threads] == 1:
+            return
+        x = seconds / tokens
+        old = self.cost[threads]
+        self.cost[threads] = x if old is None else old + self.alpha * (x - old)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "threads": self.best(),
+            "us_per_token": {
+                str(t): None if c is None else round(c * 1e6, 1) for t, c in self.cost.items()
+            },
+        }
+
+
+def configure_threads(requested: int) -> list[int]:
+    """The thread candidates (see `thread_candidates`); torch starts on the smallest."""
+    candidates = thread_candidates(requested)
+    torch.set_num_threads(candidates[0])
+    return candidates
+
+
 def flash_attention_usable(device: str) -> bool:
     return device == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
@@ -66,6 +175,7 @@ class LoadOptions:
     labels: list[str] | None = None
     normalize_embeddings: bool = False
     max_batch_size: int = 32
+    threads: list[int] | None = None  # intra-op thread candidates (thread_candidates)
 
 
 def _model_limit(model: Any, max_length: int) -> int:
@@ -84,6 +194,10 @@ class TextEncoderBase:
         self.device = device
         self.limit = _model_limit(model, opts.max_length)
         self.max_batch = opts.max_batch_size
+        self.tuner = ThreadTuner(
+            opts.threads or [torch.get_num_threads()], min_rows=max(1, opts.max_batch_size // 4)
+        )
+        self._threads = 0  # what this (worker) thread last set; OpenMP's setting is per thread
         pad = tokenizer.pad_token_id
         self.pad_id = 0 if pad is None else int(pad)
 
@@ -138,8 +252,14 @@ class TextEncoderBase:
                 n = len(ids[i])
                 x[row, :n] = torch.tensor(ids[i], dtype=torch.long)
                 m[row, :n] = 1
+            threads = self.tuner.choose(len(idx))
+            if threads != self._threads:
+                torch.set_num_threads(threads)
+                self._threads = threads
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 y = run(x.to(self.device), m.to(self.device)).float().cpu().numpy()
+            self.tuner.record(threads, time.perf_counter() - t0, x.numel(), len(idx))
             for row, i in enumerate(idx):
                 outs[i] = y[row]
         return np.stack(outs) if outs else np.zeros((0, 0), dtype=np.float32)
