@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_LINE_BYTES = 64 * 1024  # longer lines are cut, so one runaway line cannot eat memory
 READ_CHUNK = 256 * 1024
+HOT_POLL_S = 0.02  # read interval while a log is busy (no inotify watch then)
 
 
 class LogEntry(NamedTuple):
@@ -121,6 +122,9 @@ class InotifyHub:
         self._loop.add_reader(fd, self._drain)
         return True
 
+    def available(self) -> bool:
+        return self._ensure()
+
     def watch(self, path: Path, callback: Callable[[], None]) -> int | None:
         if not self._ensure():
             return None
@@ -190,21 +194,50 @@ class LogFollower:
         self.lines_read = 0
         self.first_line_at: float | None = None
         self._stopped = False
+        # Off while a backend starts (its ready line should be seen at once); the supervisor
+        # turns it on once the backend runs.
+        self.hot_polling = False
 
     def start(self) -> None:
         self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        if self.hub is not None:
-            self._wd = self.hub.watch(self.path, self._wake.set)
+        self._arm()
         self._task = asyncio.create_task(self._run(), name=f"follow:{self.path.name}")
 
+    def _arm(self) -> None:
+        if self.hub is not None and self._wd is None:
+            self._wd = self.hub.watch(self.path, self._wake.set)
+
+    def _disarm(self) -> None:
+        if self.hub is not None and self._wd is not None:
+            self.hub.unwatch(self._wd)
+            self._wd = None
+
     async def _run(self) -> None:
-        # With inotify the poll is only a safety net; without it, it is the mechanism.
-        interval = self.poll_interval if self._wd is not None else min(self.poll_interval, 0.05)
+        """Wait on inotify while the file is quiet; poll while it is busy.
+
+        A watch makes the kernel queue an event on every write(2) of the backend: a backend
+        that writes line by line ran 2 to 2.5 times slower watched (measured with 200,000
+        lines). So once data flows (and `hot_polling` allows it) the watch is dropped and the
+        file is read every HOT_POLL_S until it goes quiet, then watched again.
+        """
         while not self._stopped:
             self._wake.clear()
+            got = 0
             # One chunk at a time, yielding between chunks, so a flood cannot hold the loop.
-            while self.read_chunk():
+            while True:
+                n = self.read_chunk()
+                got += n
+                if n < READ_CHUNK:
+                    break
                 await asyncio.sleep(0)
+            if got and self.hot_polling and self.hub is not None:
+                self._disarm()
+                await asyncio.sleep(HOT_POLL_S)
+                continue
+            if self._wd is None and self.hub is not None and self.hub.available():
+                self._arm()
+                continue  # read once more: a write may have landed before the watch
+            interval = self.poll_interval if self._wd is not None else HOT_POLL_S
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
             # races with the wake-up, and the follower would then never stop.
             try:
@@ -215,23 +248,23 @@ class LogFollower:
 
     def read_available(self) -> None:
         """Read everything written so far and deliver the complete lines."""
-        while self.read_chunk():
+        while self.read_chunk() == READ_CHUNK:
             pass
 
-    def read_chunk(self) -> bool:
-        """Deliver the lines of one chunk; True when more data may be waiting."""
+    def read_chunk(self) -> int:
+        """Deliver the lines of one chunk; returns the bytes read (READ_CHUNK: more may wait)."""
         if self._fd < 0:
-            return False
+            return 0
         try:
             chunk = os.pread(self._fd, READ_CHUNK, self.offset)
         except OSError as err:
             log.warning("cannot read %s: %s", self.path, err)
-            return False
+            return 0
         if not chunk:
-            return False
+            return 0
         self.offset += len(chunk)
         self._deliver(chunk)
-        return len(chunk) == READ_CHUNK
+        return len(chunk)
 
     def _deliver(self, chunk: bytes) -> None:
         data = self._partial + chunk

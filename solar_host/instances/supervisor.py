@@ -262,6 +262,8 @@ class Supervisor:
             await self._teardown_attempt(proc, port)
             raise
         # Ready.
+        if self.follower is not None:
+            self.follower.hot_polling = True
         now = time.monotonic()
         first = self.follower.first_line_at if self.follower else None
         self.set_status(
@@ -587,6 +589,8 @@ class Supervisor:
         self.m.ports.claim_adopted(rec.port)
         self._ready = None
         self._follow(log_path, offset=size, ready_check=None)
+        if self.follower is not None:
+            self.follower.hot_polling = True
         self.set_status(
             S.RUNNING,
             reason="adopted",
