@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
@@ -25,15 +26,22 @@ async def _send_text(ws: WebSocket, text: str) -> None:
         await ws.send_text(text)
 
 
-@router.websocket("/instances/{instance_id}/logs")
-async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = None) -> None:
+async def _accept(ws: WebSocket, manager: Any, instance_id: str) -> Any:
+    """Accept the socket; the instance's supervisor, or None (told and closed) if unknown."""
     await ws.accept()
-    manager = ws.app.state.host.instances
     try:
-        sup = manager.supervisor(instance_id)
+        return manager.supervisor(instance_id)
     except InstanceNotFound:
         await ws.send_json({"error": "Instance not found"})
         await ws.close(code=1008)
+        return None
+
+
+@router.websocket("/instances/{instance_id}/logs")
+async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = None) -> None:
+    manager = ws.app.state.host.instances
+    sup = await _accept(ws, manager, instance_id)
+    if sup is None:
         return
     next_seq = since_seq if since_seq is not None and since_seq >= 0 else sup.ring.first_seq
     closed = asyncio.create_task(_wait_closed(ws))
@@ -86,13 +94,9 @@ async def _wait_closed(ws: WebSocket) -> None:
 
 @router.websocket("/instances/{instance_id}/state")
 async def stream_state(ws: WebSocket, instance_id: str) -> None:
-    await ws.accept()
     manager = ws.app.state.host.instances
-    try:
-        sup = manager.supervisor(instance_id)
-    except InstanceNotFound:
-        await ws.send_json({"error": "Instance not found"})
-        await ws.close(code=1008)
+    sup = await _accept(ws, manager, instance_id)
+    if sup is None:
         return
     from solar_host.events import RuntimeStateChanged
 
