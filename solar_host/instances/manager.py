@@ -377,12 +377,15 @@ class InstanceManager:
         )
         sup = Supervisor(self, StoredInstance(instance=inst))
         self.supervisors[inst.id] = sup
+        # Published before the write, so the control link's instances_update is on its way
+        # while config.json is written (control expects it before this call answers).
+        self.changed(inst.id, inst.status.value, "created")
         try:
             await self.persist_or_raise()
         except NotPersisted:
             self.supervisors.pop(inst.id, None)
+            self.changed(inst.id, None, "create undone")
             raise
-        self.changed(inst.id, inst.status.value, "created")
         return inst
 
     async def update(self, instance_id: str, fields: dict[str, Any]) -> Instance:
@@ -412,13 +415,14 @@ class InstanceManager:
             before = {k: getattr(inst, k) for k in changes}
             for k, v in changes.items():
                 setattr(inst, k, v)
+            self.changed(instance_id, inst.status.value, "updated")
             try:
                 await self.persist_or_raise()
             except NotPersisted:
                 for k, v in before.items():
                     setattr(inst, k, v)
+                self.changed(instance_id, inst.status.value, "update undone")
                 raise
-            self.changed(instance_id, inst.status.value, "updated")
         return inst
 
     async def delete(self, instance_id: str) -> Instance:
@@ -428,16 +432,17 @@ class InstanceManager:
             if starting or sup.instance.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot delete a running instance. Stop it first.")
             self.supervisors.pop(instance_id, None)
+            self.changed(instance_id, None, "deleted")
             try:
                 await self.persist_or_raise()
             except NotPersisted:
                 self.supervisors[instance_id] = sup
+                self.changed(instance_id, sup.instance.status.value, "delete undone")
                 raise
             sup.deleted = True
             sup._cancel(sup.restart_task)
             await sup.kill_recorded()
         sup.ring.notify()  # log streamers wake, see the instance gone, and close
-        self.changed(instance_id, None, "deleted")
         sup._after_stop_hook()
         return sup.instance
 
