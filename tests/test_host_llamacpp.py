@@ -39,6 +39,23 @@ def llama_cfg(model: Path, **extra: object) -> dict:
     }
 
 
+def create_and_start(c: httpx.Client, model: Path) -> tuple[str, dict]:
+    """Create a llama.cpp instance on a subprocess host and start it: (id, instance)."""
+    iid = c.post("/instances", json={"config": llama_cfg(model)}).json()["instance"]["id"]
+    return iid, c.post(f"/instances/{iid}/start").json()["instance"]
+
+
+def wait_running(c: httpx.Client, iid: str, polls: int = 300) -> dict:
+    """Poll until the instance is running (boot re-adopts or restarts it); the last answer."""
+    inst: dict = {}
+    for _ in range(polls):
+        inst = c.get(f"/instances/{iid}").json()
+        if inst["status"] == "running":
+            break
+        time.sleep(0.05)
+    return inst
+
+
 async def chat(port: int, key: str = API_KEY) -> httpx.Response:
     async with httpx.AsyncClient(timeout=30) as c:
         return await c.post(
@@ -179,10 +196,7 @@ def test_host_sigkill_backend_keeps_serving_and_is_readopted(
     with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
         host.start()
         with host.client() as c:
-            iid = c.post("/instances", json={"config": llama_cfg(tiny_gguf)}).json()["instance"][
-                "id"
-            ]
-            inst = c.post(f"/instances/{iid}/start").json()["instance"]
+            iid, inst = create_and_start(c, tiny_gguf)
         pid, port = inst["pid"], inst["port"]
         host.kill(signal.SIGKILL)
         # the backend keeps serving while the host is down
@@ -195,12 +209,7 @@ def test_host_sigkill_backend_keeps_serving_and_is_readopted(
         assert r.status_code == 200
         host.start()
         with host.client() as c:
-            inst = None
-            for _ in range(200):
-                inst = c.get(f"/instances/{iid}").json()
-                if inst["status"] == "running":
-                    break
-                time.sleep(0.05)
+            inst = wait_running(c, iid, 200)
             assert inst and inst["status"] == "running" and inst["pid"] == pid
             logs = c.get(f"/instances/{iid}/logs").json()
             assert logs and all(isinstance(e["seq"], int) for e in logs)
@@ -218,10 +227,7 @@ def test_stale_record_whose_pid_belongs_to_another_process(
     with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
         host.start()
         with host.client() as c:
-            iid = c.post("/instances", json={"config": llama_cfg(tiny_gguf)}).json()["instance"][
-                "id"
-            ]
-            inst = c.post(f"/instances/{iid}/start").json()["instance"]
+            iid, inst = create_and_start(c, tiny_gguf)
         host.kill(signal.SIGKILL)
         # the backend dies too; its pid is "reused" by an unrelated process we own
         psutil.Process(inst["pid"]).kill()
@@ -233,12 +239,7 @@ def test_stale_record_whose_pid_belongs_to_another_process(
         try:
             host.start()
             with host.client() as c:
-                inst2 = None
-                for _ in range(300):
-                    inst2 = c.get(f"/instances/{iid}").json()
-                    if inst2["status"] == "running":
-                        break
-                    time.sleep(0.05)
+                inst2 = wait_running(c, iid, 300)
                 assert inst2 and inst2["status"] == "running"
                 assert inst2["pid"] not in (inst["pid"], bystander.pid)
                 assert bystander.poll() is None  # untouched
@@ -255,21 +256,14 @@ def test_boot_restarts_instances_that_were_running(
     with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
         host.start()
         with host.client() as c:
-            iid = c.post("/instances", json={"config": llama_cfg(tiny_gguf)}).json()["instance"][
-                "id"
-            ]
-            pid = c.post(f"/instances/{iid}/start").json()["instance"]["pid"]
+            iid, started = create_and_start(c, tiny_gguf)
+            pid = started["pid"]
         # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status tells why
         assert host.stop() in (0, -signal.SIGTERM)
         assert "Application shutdown complete" in host.log() or "shutdown" in host.log().lower()
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
         host.start()
         with host.client() as c:
-            inst = None
-            for _ in range(300):
-                inst = c.get(f"/instances/{iid}").json()
-                if inst["status"] == "running":
-                    break
-                time.sleep(0.05)
+            inst = wait_running(c, iid, 300)
             assert inst and inst["status"] == "running" and inst["pid"] != pid
             c.post(f"/instances/{iid}/stop")
