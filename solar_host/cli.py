@@ -145,12 +145,9 @@ class UsageError(Exception):
 
 def _read_env_file(path: str) -> dict[str, str]:
     """KEY=value pairs of the env file (keys upper-cased); {} when it does not exist."""
-    p = Path(path)
-    if not p.is_file():
-        return {}
-    from dotenv import dotenv_values
+    from solar_host.envfile import read_env_file
 
-    return {k.upper(): v for k, v in dotenv_values(p).items() if v is not None}
+    return {k.upper(): v for k, v in read_env_file(path).items()}
 
 
 def resolve_connection(args: argparse.Namespace) -> tuple[str, str]:

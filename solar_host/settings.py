@@ -3,17 +3,25 @@
 Every tunable of the host lives here (features add theirs to this class), so that the
 configuration reference in the README can be generated from it and cannot drift.
 Nothing here touches the filesystem or reads `.env` at import time: `.env` is read only when
-`load_settings()` (the command line, `solar_host.main`) asks for it.
+`load_settings()` (the command line, `solar_host.main`) asks for it. `Settings(...)` built
+directly (tests, embedding) reads no environment at all.
+
+The environment is read by hand rather than with pydantic-settings: every field is a scalar,
+and pydantic-settings costs about 70 ms of start-up (it imports its CLI, cloud and secrets
+providers) for a job that is a dictionary merge.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from solar_host.envfile import read_env_file
 
 # Keys that appeared in old READMEs and example files. A host started with one of them would
 # be open to anyone who has read the docs, so start-up refuses them.
@@ -29,15 +37,10 @@ PLACEHOLDER_API_KEYS = frozenset(
 )
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """Every setting of the host. The env var of a field is its name in upper case."""
 
-    model_config = SettingsConfigDict(
-        env_file=None,
-        extra="ignore",
-        case_sensitive=False,
-        validate_default=True,
-    )
+    model_config = ConfigDict(extra="ignore", validate_default=True)
 
     # --- service -----------------------------------------------------------------------
     api_key: str = Field(
@@ -255,9 +258,38 @@ def describe_validation_error(err: ValidationError) -> str:
     return "Invalid setting " + "; ".join(parts)
 
 
-def load_settings(env_file: str | Path | None = ".env", **overrides: object) -> Settings:
-    """Build Settings from the environment and `env_file`; raise SettingsError on bad values."""
+def setting_values(sources: Mapping[str, str]) -> dict[str, str]:
+    """The values in `sources` (env-style names, any case) that name a setting, by field name.
+
+    An empty value for a setting whose default is None (HF_CACHE_DIR=) means "not set".
+    """
+    by_lower = {k.lower(): v for k, v in sources.items()}
+    values: dict[str, str] = {}
+    for name, field in Settings.model_fields.items():
+        if name not in by_lower:
+            continue
+        value = by_lower[name]
+        if value == "" and field.default is None:
+            continue
+        values[name] = value
+    return values
+
+
+def load_settings(
+    env_file: str | Path | None = ".env",
+    environ: Mapping[str, str] | None = None,
+    **overrides: object,
+) -> Settings:
+    """Settings from, lowest to highest: defaults, `env_file`, the environment, `overrides`.
+
+    Raises SettingsError (one line naming the variable) on a bad value.
+    """
+    merged: dict[str, object] = {}
+    if env_file is not None:
+        merged.update(setting_values(read_env_file(env_file)))
+    merged.update(setting_values(os.environ if environ is None else environ))
+    merged.update(overrides)
     try:
-        return Settings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
+        return Settings(**merged)
     except ValidationError as err:
         raise SettingsError(describe_validation_error(err)) from None

@@ -50,7 +50,36 @@ def test_env_file_is_read_only_when_asked(tmp_path: Path) -> None:
     env.write_text("START_PORT=4100\nHOST_NAME=gpu-7\n")
     s = load_settings(env_file=env)
     assert s.start_port == 4100 and s.effective_host_name == "gpu-7"
-    assert Settings(_env_file=None).start_port == 3500  # type: ignore[call-arg]
+    assert load_settings(env_file=None, environ={}).start_port == 3500
+
+
+def test_settings_precedence_is_overrides_then_environment_then_env_file(tmp_path: Path) -> None:
+    env = tmp_path / ".env"
+    env.write_text(
+        "# comment\nexport START_PORT=4100\nhost_name='from file'\nMAX_RETRIES=7\n"
+        "HF_CACHE_DIR=\nNOT_A_SETTING=x\n"
+    )
+    s = load_settings(
+        env_file=env, environ={"MAX_RETRIES": "3", "Port": "9001", "PATH": "/bin"}, port=9002
+    )
+    # Names match in any case; the file's quotes and `export` are dotenv syntax.
+    assert (s.start_port, s.host_name, s.max_retries, s.port) == (4100, "from file", 3, 9002)
+    # An empty value for a setting whose default is None leaves it unset.
+    assert s.hf_cache_dir is None
+
+
+def test_settings_built_directly_read_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("START_PORT", "4200")
+    assert Settings().start_port == 3500
+    assert load_settings(env_file=None).start_port == 4200
+
+
+def test_bad_value_in_env_file_names_the_variable(tmp_path: Path) -> None:
+    env = tmp_path / ".env"
+    env.write_text("BOOT_START_CONCURRENCY=zero\n")
+    with pytest.raises(SettingsError) as err:
+        load_settings(env_file=env, environ={})
+    assert "BOOT_START_CONCURRENCY" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_cli_serve_exits_2_with_one_line_on_bad_settings(tmp_path: Path) -> None:
