@@ -110,10 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import gc
 
-    from solar_host.app import create_app
+    # Off for all of start-up, imports included; serving.serve turns it back on once the host
+    # serves (and says why there).
+    gc.disable()
+    try:
+        return _serve(args)
+    finally:
+        gc.enable()
+
+
+def _serve(args: argparse.Namespace) -> int:
     from solar_host.logging_setup import configure_logging
+    from solar_host.serving import serve as run_host
     from solar_host.settings import SettingsError, load_settings
 
     overrides: dict[str, Any] = {}
@@ -127,13 +137,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"solar-host: {err}", file=sys.stderr)
         return EXIT_USAGE
     configure_logging(settings)
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False
-    )
-    server = uvicorn.Server(config)
-    server.run()
-    return 0 if server.started else 1
+    return run_host(settings)
 
 
 # --- client configuration -------------------------------------------------------------------

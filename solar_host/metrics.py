@@ -26,7 +26,7 @@ from solar_host.instances.states import InstanceStatus
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from solar_host.app import Host
+    from solar_host.host import Host
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from solar_host import __version__
-from solar_host.app import Host
 from solar_host.control.client import ControlLink, ControlLinkUnavailable
 from solar_host.events import (
     InstancesChanged,
@@ -28,6 +27,7 @@ from solar_host.events import (
     RuntimeStateChanged,
     StepLog,
 )
+from solar_host.host import Host
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.schemas import Instance
 from solar_host.resources.probes import LiveProbe
@@ -681,7 +681,7 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
 
 
 async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
-    from solar_host.app import build_host
+    from solar_host.host import build_host
 
     base = {"api_key": KEY, "config_file": tmp_path / "c.json", "models_dir": tmp_path / "m"}
     standalone = build_host(Settings(**base))

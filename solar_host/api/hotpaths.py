@@ -10,9 +10,14 @@ middleware, so auth is unchanged.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from solar_host import __version__
+from solar_host.resources.probes import disk_info
 
 _JSON = (b"content-type", b"application/json")
 
@@ -37,3 +42,23 @@ class HotPathMiddleware:
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
+
+
+def health_body(host: Any) -> bytes:
+    """The /health answer (the route returns the same bytes)."""
+    return json.dumps(
+        {
+            "status": "healthy",
+            "service": "solar-host",
+            "version": __version__,
+            "disk": disk_info(host.probe, host.settings.models_dir),
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def hot_routes(host: Any) -> dict[str, Callable[[], bytes]]:
+    return {
+        "/instances": lambda: host.instances.list_json(),
+        "/health": lambda: health_body(host),
+    }

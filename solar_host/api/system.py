@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -10,7 +9,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from solar_host import __version__
-from solar_host.resources.probes import disk_info, memory_info
+from solar_host.api.hotpaths import health_body
+from solar_host.resources.probes import memory_info
 
 router = APIRouter(tags=["system"])
 
@@ -33,19 +33,6 @@ async def root(request: Request) -> dict[str, Any]:
         "(llama.cpp, HuggingFace, SGLang)",
         "supported_backends": host.instances.supported_backends(),
     }
-
-
-def health_body(host: Any) -> bytes:
-    """The /health answer (shared with the hot path, so both are byte-identical)."""
-    return json.dumps(
-        {
-            "status": "healthy",
-            "service": "solar-host",
-            "version": __version__,
-            "disk": disk_info(host.probe, host.settings.models_dir),
-        },
-        separators=(",", ":"),
-    ).encode()
 
 
 @router.get("/health")

@@ -1,0 +1,200 @@
+"""How `solar-host serve` runs: the host core first, the REST router beside it.
+
+Importing FastAPI and building the routes (their pydantic models) is about 0.6 s of CPU: more
+than everything else start-up does together. None of it is needed to re-adopt backends, reap
+orphans, start the control link, or answer the two routes every poller hits (GET /health and
+GET /instances, served from cached bytes by api/hotpaths.py). So the server starts the core,
+puts the edge layers (request id, body limit, API key, hot paths) in front, binds its port, and
+builds the router in a worker thread. A request for any other route that arrives before the
+router is ready waits for it (at most API_WAIT_S) instead of being refused; if the router could
+not be built, it gets a 503 that says so.
+
+The cyclic garbage collector is off until the router is built: start-up creates a few hundred
+thousand long-lived objects (modules, classes, schemas) that every generation-2 pass would rescan,
+about 15-20% of start-up. One collection then runs and what survives it is frozen out of later
+passes (gc.freeze), which also keeps those pages shared rather than rewritten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from solar_host.api.edge import wrap_in_edge
+from solar_host.host import Host, StartupError, build_host
+from solar_host.settings import Settings
+
+log = logging.getLogger("solar_host")
+
+# A request that arrives before the router is built waits this long for it (it is built in
+# well under a second; the bound only matters on a machine that is thrashing).
+API_WAIT_S = 60.0
+GC_SETTLE_DELAY_S = 0.5
+
+
+class StagedApp:
+    """ASGI app: the host's lifespan and edge layers at once, the router when it is built."""
+
+    def __init__(
+        self,
+        host: Host,
+        build_api: Callable[[], ASGIApp],
+        *,
+        on_api_settled: Callable[[], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.api: ASGIApp | None = None
+        self.api_error: str | None = None
+        self._build_api = build_api
+        self._on_api_settled = on_api_settled
+        self._api_settled: asyncio.Event | None = None
+        self._edge = wrap_in_edge(self._route, host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self._edge(scope, receive, send)
+
+    # --- the router ---------------------------------------------------------------------------
+
+    def start_building(self) -> None:
+        """Build the router in a worker thread (once); call from the event loop."""
+        if self._api_settled is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._api_settled = asyncio.Event()
+
+        def build() -> None:
+            try:
+                api = self._build_api()
+            except BaseException as err:
+                log.exception("the REST API could not be built")
+                result: tuple[ASGIApp | None, str | None] = (None, f"{type(err).__name__}: {err}")
+            else:
+                result = (api, None)
+            # The loop is closed when the host stopped before the build ended: nothing waits.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._settle, *result)
+
+        threading.Thread(target=build, name="solar-host-api-build", daemon=True).start()
+
+    def _settle(self, api: ASGIApp | None, error: str | None) -> None:
+        self.api, self.api_error = api, error
+        assert self._api_settled is not None
+        self._api_settled.set()
+        if self._on_api_settled is not None:
+            self._on_api_settled()
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        api = self.api
+        if api is None:
+            self.start_building()  # served without a lifespan (lifespan="off")
+            assert self._api_settled is not None
+            try:
+                await asyncio.wait_for(self._api_settled.wait(), API_WAIT_S)
+            except TimeoutError:
+                await _unavailable(scope, send, f"not built within {API_WAIT_S:.0f} s")
+                return
+            api = self.api
+            if api is None:
+                await _unavailable(scope, send, self.api_error or "not built")
+                return
+        await api(scope, receive, send)
+
+    # --- lifespan ------------------------------------------------------------------------------
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        message = await receive()
+        if message["type"] != "lifespan.startup":
+            return
+        try:
+            await self.host.start()
+        except StartupError as err:
+            await send({"type": "lifespan.startup.failed", "message": f"solar-host: {err}"})
+            return
+        except Exception as err:
+            log.exception("the host could not start")
+            await send({"type": "lifespan.startup.failed", "message": f"solar-host: {err!r}"})
+            return
+        self.start_building()
+        await send({"type": "lifespan.startup.complete"})
+        message = await receive()
+        try:
+            await self.host.stop()
+        except Exception as err:
+            log.exception("the host did not stop cleanly")
+            await send({"type": "lifespan.shutdown.failed", "message": f"solar-host: {err!r}"})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _unavailable(scope: Scope, send: Send, why: str) -> None:
+    if scope["type"] == "websocket":
+        # Before accept: the server answers the handshake with 403.
+        await send({"type": "websocket.close", "code": 1011, "reason": "REST API unavailable"})
+        return
+    body = json.dumps({"detail": f"the REST API is unavailable: {why}"}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _settle_startup_garbage() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.enable()
+
+
+def serve(settings: Settings, **overrides: Any) -> int:
+    """Run the host on settings.host:settings.port until SIGINT/SIGTERM.
+
+    Returns 0 after a clean stop, 1 when it never started. `overrides` replace services by name
+    (build_host), for test hosts with their own backends.
+    """
+    gc.disable()
+    try:
+        import uvicorn
+
+        host = build_host(settings, **overrides)
+
+        def build_api() -> ASGIApp:
+            from solar_host.app import create_api
+
+            return create_api(host)
+
+        def settle_later() -> None:
+            asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, _settle_startup_garbage)
+
+        app = StagedApp(host, build_api, on_api_settled=settle_later)
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, log_config=None, access_log=False
+        )
+        server = uvicorn.Server(config)
+        try:
+            server.run()
+        except SystemExit as exit_:
+            # uvicorn exits 3 when the lifespan fails; our 3 means "host unreachable".
+            if exit_.code != 3:
+                raise
+            return 1
+        return 0 if server.started else 1
+    finally:
+        gc.enable()

@@ -1,0 +1,155 @@
+"""`solar-host serve`'s staged start (serving.py): the core, the edge layers and the hot paths
+answer at once; other routes wait for the router being built beside them; a router that cannot
+be built is a clear 503, never a hang; a host that cannot start says why in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from solar_host.app import create_api
+from solar_host.host import build_host
+from solar_host.serving import StagedApp, _settle_startup_garbage
+from tests.fixtures.host import API_KEY, free_port, host_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.asynccontextmanager
+async def staged_server(app: StagedApp) -> AsyncIterator[str]:
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started, "staged server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+def gated_builder(host: Any, gate: threading.Event) -> Callable[[], Any]:
+    def build() -> Any:
+        assert gate.wait(20), "test never opened the gate"
+        return create_api(host)
+
+    return build
+
+
+async def test_hot_paths_answer_while_the_router_builds_and_other_routes_wait(
+    tmp_path: Path,
+) -> None:
+    host = build_host(host_settings(tmp_path))
+    gate = threading.Event()
+    settled: list[bool] = []
+    app = StagedApp(host, gated_builder(host, gate), on_api_settled=lambda: settled.append(True))
+    async with staged_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
+        # The core is up (lifespan ran) and the edge layers work before any route exists.
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/instances")).status_code == 401
+        listed = await c.get("/instances", headers={"X-API-Key": API_KEY})
+        assert listed.status_code == 200 and listed.json() == []
+        assert app.api is None
+        # A routed call waits for the router instead of failing...
+        pending = asyncio.create_task(c.get("/resources", headers={"X-API-Key": API_KEY}))
+        refused = asyncio.create_task(c.get("/resources"))
+        await asyncio.sleep(0.3)
+        assert not pending.done()
+        # ...except one the edge refuses anyway: no key, no waiting.
+        assert refused.done() and refused.result().status_code == 401
+        gate.set()
+        answered = await asyncio.wait_for(pending, 20)
+        assert answered.status_code == 200 and "ram" in answered.json()
+        assert settled == [True] and app.api is not None
+        # With a query string /health skips the hot path: the router's route answers it.
+        routed = await c.get("/health", params={"via": "router"})
+        assert routed.status_code == 200 and routed.json()["status"] == "healthy"
+
+
+async def test_a_router_that_cannot_be_built_is_a_503_and_the_hot_paths_keep_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = build_host(host_settings(tmp_path))
+
+    def broken() -> Any:
+        raise RuntimeError("route table exploded")
+
+    app = StagedApp(host, broken)
+    async with staged_server(app) as url, httpx.AsyncClient(
+        base_url=url, headers={"X-API-Key": API_KEY}, timeout=30
+    ) as c:
+        r = await c.get("/resources")
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert "route table exploded" in r.json()["detail"]
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/instances")).status_code == 200
+    assert any("could not be built" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_without_a_lifespan_the_first_routed_request_builds_the_router(
+    tmp_path: Path,
+) -> None:
+    host = build_host(host_settings(tmp_path))
+    app = StagedApp(host, lambda: create_api(host))
+    transport = httpx.ASGITransport(app=app)  # sends no lifespan events
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://t", headers={"X-API-Key": API_KEY}
+    ) as c:
+        r = await c.get("/openapi.json")
+    assert r.status_code == 200 and "/instances" in r.json()["paths"]
+
+
+def test_settling_start_up_garbage_turns_the_collector_back_on() -> None:
+    gc.disable()
+    try:
+        _settle_startup_garbage()
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_serve_that_cannot_start_says_why_in_one_line_and_exits_1(tmp_path: Path) -> None:
+    # CONFIG_FILE's directory is a file: the generated key cannot be stored beside it.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "API_KEY": "",
+        "CONFIG_FILE": str(blocker / "config.json"),
+        "LOG_DIR": str(tmp_path / "logs"),
+        "MODELS_DIR": str(tmp_path / "models"),
+        "HOST": "127.0.0.1",
+        "PORT": str(free_port()),
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "solar_host", "--env-file", str(tmp_path / "none.env")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 1, p.stderr
+    assert "API key at" in p.stderr and "not-a-dir" in p.stderr
+    assert "Traceback" not in p.stderr
