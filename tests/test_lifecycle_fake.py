@@ -277,3 +277,30 @@ async def test_crash_loop_ends_in_failed_not_a_storm(tmp_path: Path) -> None:
         assert sup.counters["crashes"] == 3 and sup.counters["restarts"] == 2
         await asyncio.sleep(0.5)
         assert (await h.client.get(f"/instances/{iid}")).json()["status"] == "failed"
+
+
+async def test_a_restart_that_finds_everything_as_recorded_does_not_rewrite_config(
+    tmp_path: Path,
+) -> None:
+    settings = host_settings(tmp_path)
+    async with running_host(settings, backends=registry()) as h:
+        await create(h, cfg(tmp_path))
+    path = settings.config_file
+    before = path.read_bytes()
+    inode = path.stat().st_ino  # every write is a new file renamed into place
+    async with running_host(settings, backends=registry()) as h:
+        assert len((await h.client.get("/instances")).json()) == 1
+    assert path.stat().st_ino == inode and path.read_bytes() == before
+
+    # A file in the upstream format (a bare list of instances) is rewritten in ours on start.
+    import json
+
+    doc = json.loads(before)
+    path.write_text(json.dumps([e["instance"] for e in doc["instances"]]))
+    async with running_host(settings, backends=registry()) as h:
+        assert len((await h.client.get("/instances")).json()) == 1
+    rewritten = json.loads(path.read_text())
+    assert rewritten["instances"][0]["instance"]["id"] == doc["instances"][0]["instance"]["id"]
+    assert rewritten["instances"][0]["instance"]["config"] == doc["instances"][0]["instance"][
+        "config"
+    ]

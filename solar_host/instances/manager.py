@@ -129,6 +129,8 @@ class InstanceManager:
                 self.changed(sup.id, S.STOPPED.value, "boot")
             if sup.stored.want_running and inst.status in (S.STOPPED, S.FAILED):
                 to_start.append(sup)
+        # Written when re-adoption or the load changed anything (an older format, a backend
+        # gone); a restart that finds everything as recorded writes nothing (store.on_disk).
         await self.persist()
         await self._reap_orphans()
         self._sweep_prompt_caches([s for s, ok in zip(sups, adopted, strict=True) if ok])
