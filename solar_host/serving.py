@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import threading
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
 from solar_host.host import Host, StartupError, build_host
 from solar_host.settings import Settings
@@ -142,19 +142,8 @@ async def _unavailable(scope: Scope, send: Send, why: str) -> None:
         # Before accept: the server answers the handshake with 403.
         await send({"type": "websocket.close", "code": 1011, "reason": "REST API unavailable"})
         return
-    body = json.dumps({"detail": f"the REST API is unavailable: {why}"}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    body = detail(f"the REST API is unavailable: {why}")
+    await send_json(send, 503, body, [(b"retry-after", b"1")])
 
 
 def _settle_startup_garbage() -> None:

@@ -18,7 +18,7 @@ from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.schemas import ConfigError, parse_config
 from solar_host.instances.store import InstanceStore
 from solar_host.settings import Settings, SettingsError, load_settings
-from tests.fixtures.host import API_KEY, host_settings, running_host
+from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,18 +82,38 @@ def test_bad_value_in_env_file_names_the_variable(tmp_path: Path) -> None:
     assert "BOOT_START_CONCURRENCY" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cli_serve_exits_2_with_one_line_on_bad_settings(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MAX_RETRIES": "-3"}
-    p = subprocess.run(
+def run_serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`solar-host serve` in tmp_path with `env` added, for runs that end on their own."""
+    return subprocess.run(
         [sys.executable, "-m", "solar_host", "--env-file", str(tmp_path / "none.env")],
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,
         timeout=60,
         cwd=tmp_path,
     )
+
+
+def test_cli_serve_exits_2_with_one_line_on_bad_settings(tmp_path: Path) -> None:
+    p = run_serve(tmp_path, MAX_RETRIES="-3")
     assert p.returncode == 2
     assert "MAX_RETRIES" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_serve_that_cannot_start_says_why_in_one_line_and_exits_1(tmp_path: Path) -> None:
+    # CONFIG_FILE's directory is a file: the generated key cannot be kept beside it.
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    p = run_serve(
+        tmp_path,
+        API_KEY="",
+        CONFIG_FILE=str(blocker / "config.json"),
+        HOST="127.0.0.1",
+        PORT=str(free_port()),
+    )
+    assert p.returncode == 1, p.stderr
+    assert "API key at" in p.stderr and "not-a-dir" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 # --- API key -------------------------------------------------------------------------------------

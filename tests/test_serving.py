@@ -1,15 +1,12 @@
 """`solar-host serve`'s staged start (serving.py): the core, the edge layers and the hot paths
 answer at once; other routes wait for the router being built beside them; a router that cannot
-be built is a clear 503, never a hang; a host that cannot start says why in one line."""
+be built is a clear 503, never a hang. (A host that cannot start: test_foundation.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -127,29 +124,3 @@ def test_settling_start_up_garbage_turns_the_collector_back_on() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
-
-
-def test_serve_that_cannot_start_says_why_in_one_line_and_exits_1(tmp_path: Path) -> None:
-    # CONFIG_FILE's directory is a file: the generated key cannot be stored beside it.
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "API_KEY": "",
-        "CONFIG_FILE": str(blocker / "config.json"),
-        "LOG_DIR": str(tmp_path / "logs"),
-        "MODELS_DIR": str(tmp_path / "models"),
-        "HOST": "127.0.0.1",
-        "PORT": str(free_port()),
-    }
-    p = subprocess.run(
-        [sys.executable, "-m", "solar_host", "--env-file", str(tmp_path / "none.env")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert p.returncode == 1, p.stderr
-    assert "API key at" in p.stderr and "not-a-dir" in p.stderr
-    assert "Traceback" not in p.stderr

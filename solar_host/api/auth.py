@@ -7,11 +7,12 @@ and `GET /instances` is polled hard by solar-control.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from solar_host.api.asgi_json import detail, send_json
 
 PUBLIC_PATHS = frozenset(
     {"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
@@ -77,17 +78,9 @@ class APIKeyMiddleware:
                     }
                 )
             return
-        body = json.dumps({"detail": "Invalid or missing API key"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"APIKey"),
-                    (b"access-control-allow-origin", b"*"),
-                ],
-            }
+        await send_json(
+            send,
+            401,
+            detail("Invalid or missing API key"),
+            [(b"www-authenticate", b"APIKey"), (b"access-control-allow-origin", b"*")],
         )
-        await send({"type": "http.response.body", "body": body})

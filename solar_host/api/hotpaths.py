@@ -17,9 +17,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host import __version__
+from solar_host.api.asgi_json import send_json
 from solar_host.resources.probes import disk_info
-
-_JSON = (b"content-type", b"application/json")
 
 
 class HotPathMiddleware:
@@ -31,15 +30,7 @@ class HotPathMiddleware:
         if scope["type"] == "http" and scope["method"] == "GET" and not scope.get("query_string"):
             body_of = self.routes.get(scope["path"])
             if body_of is not None:
-                body = body_of()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [_JSON, (b"content-length", str(len(body)).encode())],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                await send_json(send, 200, body_of())
                 return
         await self.app(scope, receive, send)
 

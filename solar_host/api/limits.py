@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from solar_host.api.asgi_json import detail, send_json
 
 
 class BodyLimitMiddleware:
@@ -64,15 +64,4 @@ class _TooLarge(Exception):
 
 
 async def _reject(send: Send, limit: int) -> None:
-    body = json.dumps({"detail": f"Request body larger than {limit} bytes"}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, 413, detail(f"Request body larger than {limit} bytes"))
