@@ -156,6 +156,9 @@ async def test_bad_bodies_are_422_and_change_nothing(client: httpx.AsyncClient) 
         ({"job_id": "j", "vram_gb": 1, "ram_gb": 1, "expires_at": "2000-01-01T00:00"}, "past"),
         ({"job_id": "j", "vram_gb": 1, "ram_gb": 1, "expires_at": "soon"}, "expires_at"),
         ({"job_id": "j", "vram_gb": 1, "ram_gb": 1, "workload_type": "x"}, "workload_type"),
+        # Near the float limit two sizes sum to inf, which no JSON answer can carry (was a 500).
+        ({"job_id": "j", "vram_gb": 1e308, "ram_gb": 1e308}, "vram_gb"),
+        ({"job_id": "j", "vram_gb": 1, "ram_gb": 1, "disk_gb": 2.0**21}, "disk_gb"),
     ]
     for body, mention in cases:
         r = await client.post("/resources/reservations", headers=H, json=body)

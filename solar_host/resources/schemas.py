@@ -16,6 +16,9 @@ WorkloadType = Literal["training", "inference", "other"]
 ReservationStatus = Literal["pending", "running"]
 
 # A TTL this long is a mistake, and a larger one would overflow datetime arithmetic (a 500).
+# No machine has a pebibyte of memory; larger figures are mistakes (and summing two floats near
+# the float limit gives inf, which JSON cannot carry).
+MAX_RESERVATION_GB = 1024.0 * 1024.0
 MAX_TTL_SECONDS = 10 * 365 * 86400.0
 
 
@@ -34,10 +37,19 @@ class ReservationRequest(BaseModel):
     job_id: str = Field(min_length=1, max_length=256, description="Job (or intent) it is for.")
     requester: str | None = Field(default=None, max_length=256, description="Who asked.")
     workload_type: WorkloadType = "training"
-    vram_gb: float = Field(ge=0, strict=True, allow_inf_nan=False, description="VRAM to hold, GiB.")
-    ram_gb: float = Field(ge=0, strict=True, allow_inf_nan=False, description="RAM to hold, GiB.")
+    vram_gb: float = Field(
+        ge=0, le=MAX_RESERVATION_GB, strict=True, allow_inf_nan=False, description="VRAM, GiB."
+    )
+    ram_gb: float = Field(
+        ge=0, le=MAX_RESERVATION_GB, strict=True, allow_inf_nan=False, description="RAM, GiB."
+    )
     disk_gb: float | None = Field(
-        default=None, ge=0, strict=True, allow_inf_nan=False, description="Disk to hold, GiB."
+        default=None,
+        ge=0,
+        le=MAX_RESERVATION_GB,
+        strict=True,
+        allow_inf_nan=False,
+        description="Disk to hold, GiB.",
     )
     ttl_seconds: float | None = Field(
         default=None,
