@@ -1,12 +1,15 @@
 """`uvicorn solar_host.main:app`: the one module that builds an app from the environment at
-import (ruling 8). Everything else builds hosts explicitly with `create_app(settings)`."""
+import (ruling 8). Everything else builds hosts explicitly with `create_app(settings)`.
+
+It is the same staged app as `solar-host serve` (serving.py): /health and GET /instances answer
+as soon as the lifespan has run, the router follows within a second."""
 
 from __future__ import annotations
 
 import sys
 
-from solar_host.app import create_app
 from solar_host.logging_setup import configure_logging
+from solar_host.serving import staged_app
 from solar_host.settings import SettingsError, load_settings
 
 try:
@@ -16,4 +19,4 @@ except SettingsError as _err:
     raise SystemExit(2) from None
 
 configure_logging(settings)
-app = create_app(settings)
+app = staged_app(settings)

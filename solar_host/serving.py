@@ -54,7 +54,7 @@ class StagedApp:
         self.api: ASGIApp | None = None
         self.api_error: str | None = None
         self._build_api = build_api
-        self._on_api_settled = on_api_settled
+        self.on_api_settled = on_api_settled
         self._api_settled: asyncio.Event | None = None
         self._edge = wrap_in_edge(self._route, host)
 
@@ -91,8 +91,8 @@ class StagedApp:
         self.api, self.api_error = api, error
         assert self._api_settled is not None
         self._api_settled.set()
-        if self._on_api_settled is not None:
-            self._on_api_settled()
+        if self.on_api_settled is not None:
+            self.on_api_settled()
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
@@ -152,6 +152,18 @@ def _settle_startup_garbage() -> None:
     gc.enable()
 
 
+def staged_app(settings: Settings, **overrides: Any) -> StagedApp:
+    """The host of `settings` as a StagedApp whose router builds once the lifespan has run."""
+    host = build_host(settings, **overrides)
+
+    def build_api() -> ASGIApp:
+        from solar_host.app import create_api
+
+        return create_api(host)
+
+    return StagedApp(host, build_api)
+
+
 def serve(settings: Settings, **overrides: Any) -> int:
     """Run the host on settings.host:settings.port until SIGINT/SIGTERM.
 
@@ -162,17 +174,12 @@ def serve(settings: Settings, **overrides: Any) -> int:
     try:
         import uvicorn
 
-        host = build_host(settings, **overrides)
-
-        def build_api() -> ASGIApp:
-            from solar_host.app import create_api
-
-            return create_api(host)
+        app = staged_app(settings, **overrides)
 
         def settle_later() -> None:
             asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, _settle_startup_garbage)
 
-        app = StagedApp(host, build_api, on_api_settled=settle_later)
+        app.on_api_settled = settle_later
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_config=None, access_log=False
         )

@@ -7,7 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -124,3 +129,41 @@ def test_settling_start_up_garbage_turns_the_collector_back_on() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_uvicorn_main_app_serves_the_same_staged_host(tmp_path: Path) -> None:
+    """`uvicorn solar_host.main:app` (the product README's development command)."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "API_KEY": API_KEY,
+        "CONFIG_FILE": str(tmp_path / "config.json"),
+        "LOG_DIR": str(tmp_path / "logs"),
+        "MODELS_DIR": str(tmp_path / "models"),
+    }
+    cmd = [sys.executable, "-m", "uvicorn", "solar_host.main:app", "--host", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=10) as c:
+            while True:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                with contextlib.suppress(httpx.HTTPError):
+                    if c.get("/health").status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "no /health within 30 s"
+                time.sleep(0.02)
+            assert c.get("/resources").status_code == 200  # waits for the router if need be
+            assert (tmp_path / "config.json").parent.is_dir()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
