@@ -16,6 +16,7 @@ from typing import Any
 from solar_host.events import EventBus
 from solar_host.resources.probes import LiveProbe, SystemProbe
 from solar_host.settings import Settings
+from solar_host.statelock import StateLock, StateLocked
 
 log = logging.getLogger("solar_host")
 
@@ -70,6 +71,7 @@ class Host:
     services: dict[str, Any] = field(default_factory=dict)
     # Objects with async start()/stop(), started in this order and stopped in reverse.
     lifecycle: list[Any] = field(default_factory=list)
+    state_lock: StateLock | None = None
 
     def key(self) -> str:
         return self.api_key
@@ -88,7 +90,43 @@ class Host:
             self.lifecycle.append(service)
         return service
 
+    def prepare(self) -> None:
+        """Claim this host's directories before anything else happens (idempotent).
+
+        Runs before any file is read or written and before any process is looked at: a second
+        host on the same CONFIG_FILE or LOG_DIR directory stops here, touching nothing.
+        `serve()` calls it before the server starts, so that refusal is one line on stderr.
+        """
+        if self.state_lock is None:
+            self.state_lock = StateLock.for_dirs(
+                self.settings.config_file.parent, self.settings.log_dir
+            )
+        try:
+            self.state_lock.acquire()
+        except StateLocked as err:
+            raise StartupError(str(err)) from None
+        except OSError as err:
+            raise StartupError(f"cannot lock {self.settings.config_file.parent}: {err}") from None
+
+    def hand_over_backends(self) -> None:
+        """Make the coming stop leave every backend serving, for the next host to adopt."""
+        manager = self.services.get("instances")
+        if manager is not None:
+            manager.hand_over = True
+
+    def release(self) -> None:
+        if self.state_lock is not None:
+            self.state_lock.release()
+
     async def start(self) -> None:
+        self.prepare()
+        try:
+            await self._start()
+        except BaseException:
+            self.release()
+            raise
+
+    async def _start(self) -> None:
         key, generated = resolve_api_key(self.settings)
         self.api_key = key
         if generated:
@@ -121,6 +159,7 @@ class Host:
             except Exception:
                 log.exception("error stopping %s", type(service).__name__)
         self.started = False
+        self.release()
 
 
 def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overrides: Any) -> Host:

@@ -21,6 +21,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
+import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +33,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
 from solar_host.host import Host, StartupError, build_host
+from solar_host.sdnotify import Notifier
+from solar_host.sdnotify import cancel as cancel_task
 from solar_host.settings import Settings
 
 log = logging.getLogger("solar_host")
@@ -38,6 +43,9 @@ log = logging.getLogger("solar_host")
 # well under a second; the bound only matters on a machine that is thrashing).
 API_WAIT_S = 60.0
 GC_SETTLE_DELAY_S = 0.5
+# The hand-over restart: the host exits and leaves every backend serving for the next host
+# process on this state directory, which re-adopts them (see README, "Restarts and upgrades").
+HAND_OVER_SIGNAL = signal.SIGUSR2
 
 
 class StagedApp:
@@ -49,8 +57,17 @@ class StagedApp:
         build_api: Callable[[], ASGIApp],
         *,
         on_api_settled: Callable[[], None] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.host = host
+        self.notifier = notifier or Notifier()
+        # READY=1 once the lifespan has run; serve() sends it after the port is bound instead.
+        self.ready_on_lifespan = True
+        # How a hand-over ends this process: serve() asks uvicorn to exit; served by another
+        # runner, SIGTERM (the runner's own graceful stop) does it.
+        self.request_exit: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
+        self._watchdog: asyncio.Task[None] | None = None
+        self._hand_over_installed = False
         self.api: ASGIApp | None = None
         self.api_error: str | None = None
         self._build_api = build_api
@@ -126,8 +143,16 @@ class StagedApp:
             await send({"type": "lifespan.startup.failed", "message": f"solar-host: {err!r}"})
             return
         self.start_building()
+        self._install_hand_over()
+        if self.notifier.watchdog_s > 0:
+            self._watchdog = asyncio.create_task(self.notifier.watchdog(), name="sd-watchdog")
+        if self.ready_on_lifespan:
+            self.notify_ready()
         await send({"type": "lifespan.startup.complete"})
         message = await receive()
+        self.notifier.stopping("stopping")
+        self._remove_hand_over()
+        await cancel_task(self._watchdog)
         try:
             await self.host.stop()
         except Exception as err:
@@ -135,6 +160,37 @@ class StagedApp:
             await send({"type": "lifespan.shutdown.failed", "message": f"solar-host: {err!r}"})
             return
         await send({"type": "lifespan.shutdown.complete"})
+
+    # --- systemd and the hand-over restart ------------------------------------------------------
+
+    def notify_ready(self) -> None:
+        self.notifier.ready(f"serving; {len(self.host.instances.supervisors)} instances")
+
+    def hand_over(self) -> None:
+        """Exit now, leaving every backend serving for the next host process."""
+        sups = self.host.instances.supervisors.values()
+        running = sum(1 for s in sups if str(s.status) not in ("stopped", "failed"))
+        log.warning(
+            "hand-over restart requested: exiting and leaving %d backend(s) serving for the "
+            "next host on this state directory",
+            running,
+        )
+        self.host.hand_over_backends()
+        self.notifier.send("STOPPING=1", "STATUS=handing backends over to the next host")
+        self.request_exit()
+
+    def _install_hand_over(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers belong to the main thread (tests run hosts in threads)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(HAND_OVER_SIGNAL, self.hand_over)
+            self._hand_over_installed = True
+
+    def _remove_hand_over(self) -> None:
+        if self._hand_over_installed:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_signal_handler(HAND_OVER_SIGNAL)
+            self._hand_over_installed = False
 
 
 async def _unavailable(scope: Scope, send: Send, why: str) -> None:
@@ -161,16 +217,17 @@ def staged_app(settings: Settings, **overrides: Any) -> StagedApp:
 
         return create_api(host)
 
-    return StagedApp(host, build_api)
+    return StagedApp(host, build_api, notifier=Notifier.from_environment())
 
 
 def serve(settings: Settings, **overrides: Any) -> int:
-    """Run the host on settings.host:settings.port until SIGINT/SIGTERM.
+    """Run the host on settings.host:settings.port until SIGINT/SIGTERM (or a hand-over).
 
     Returns 0 after a clean stop, 1 when it never started. `overrides` replace services by name
     (build_host), for test hosts with their own backends.
     """
     gc.disable()
+    app: StagedApp | None = None
     try:
         import uvicorn
 
@@ -180,10 +237,19 @@ def serve(settings: Settings, **overrides: Any) -> int:
             asyncio.get_running_loop().call_later(GC_SETTLE_DELAY_S, _settle_startup_garbage)
 
         app.on_api_settled = settle_later
+        try:
+            # Before the server exists: a host that is not alone on its directories says so
+            # in one line and touches nothing.
+            app.host.prepare()
+        except StartupError as err:
+            print(f"solar-host: {err}", file=sys.stderr, flush=True)
+            return 1
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, log_config=None, access_log=False
         )
-        server = uvicorn.Server(config)
+        server = _notifying_server(config, on_started=app.notify_ready)
+        app.ready_on_lifespan = False
+        app.request_exit = lambda: setattr(server, "should_exit", True)
         try:
             server.run()
         except SystemExit as exit_:
@@ -193,4 +259,19 @@ def serve(settings: Settings, **overrides: Any) -> int:
             return 1
         return 0 if server.started else 1
     finally:
+        if app is not None:
+            app.host.release()
         gc.enable()
+
+
+def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
+    """A uvicorn.Server that calls `on_started` (READY=1) once its port is bound."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                on_started()
+
+    return Server(config)

@@ -81,6 +81,9 @@ class InstanceManager:
         self._sweep_task: asyncio.Task[None] | None = None
         self.boot_done = asyncio.Event()
         self._pending_saves: set[asyncio.Task[None]] = set()
+        # Set by a hand-over restart (Host.hand_over_backends): the coming shutdown leaves
+        # every backend serving for the next host process, whatever KEEP_BACKENDS_ON_SHUTDOWN.
+        self.hand_over = False
 
     # --- lifecycle of the service ----------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class InstanceManager:
                 with contextlib.suppress(BaseException):
                     await task
         sups = list(self.supervisors.values())
-        if self.settings.keep_backends_on_shutdown:
+        if self.settings.keep_backends_on_shutdown or self.hand_over:
             await asyncio.gather(*(s.detach() for s in sups), return_exceptions=True)
         else:
             await asyncio.gather(

@@ -1,0 +1,317 @@
+"""The host process's own lifecycle: one host per state directory, the hand-over restart that
+leaves backends serving, and systemd's notification protocol (READY/STOPPING/WATCHDOG).
+
+Every test runs real host processes (tests/fixtures/hostproc.py) with real backends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from solar_host.handover import HandOverError, hand_over, running_host_pid
+from solar_host.sdnotify import Notifier
+from solar_host.statelock import StateLock, StateLocked, is_locked
+from tests.fixtures.host import free_port
+from tests.fixtures.hostproc import HostProc
+from tests.fixtures.script_backend import script_config
+
+
+def start_instance(h: HostProc, alias: str = "keep") -> tuple[str, int, int]:
+    """Create and start a scripted backend; (instance id, pid, port)."""
+    with h.client() as c:
+        r = c.post("/instances", json={"config": script_config(h.tmp, alias=alias)})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        r = c.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        inst = r.json()["instance"]
+        assert inst["status"] == "running", inst
+        return iid, inst["pid"], inst["port"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Prober:
+    """Sends a request to a backend every 50 ms and counts the failures."""
+
+    def __init__(self, port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}/health"
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as c:
+            while not self._stop.is_set():
+                try:
+                    r = c.get(self.url)
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failed.append(f"status {r.status_code}")
+                except httpx.HTTPError as err:
+                    self.failed.append(repr(err))
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def settled_bytes(path: Path, quiet_s: float = 0.5, timeout: float = 30.0) -> bytes:
+    """The file's bytes once no write has changed them for `quiet_s` (the host saves the
+    record of a start just after answering it)."""
+    deadline = time.monotonic() + timeout
+    data = path.read_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = path.read_bytes()
+        if now == data:
+            return data
+        data = now
+    raise AssertionError(f"{path} kept changing")
+
+
+def run_second_host(env: dict[str, str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.fixtures.hostproc"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+# --- one host per state directory -------------------------------------------------------------
+
+
+def test_lock_is_exclusive_and_names_its_holder(tmp_path: Path) -> None:
+    first = StateLock.for_dirs(tmp_path / "state", tmp_path / "state")
+    assert len(first.directories) == 1  # the same directory twice is one lock
+    first.acquire()
+    try:
+        assert is_locked(tmp_path / "state")
+        with pytest.raises(StateLocked) as err:
+            StateLock.for_dirs(tmp_path / "state").acquire()
+        assert err.value.holder == os.getpid()
+        assert str(tmp_path / "state") in str(err.value) and str(os.getpid()) in str(err.value)
+    finally:
+        first.release()
+    assert not is_locked(tmp_path / "state")
+    again = StateLock.for_dirs(tmp_path / "state")
+    again.acquire()
+    again.release()
+
+
+def test_all_or_none_of_the_locks(tmp_path: Path) -> None:
+    held = StateLock.for_dirs(tmp_path / "logs")
+    held.acquire()
+    try:
+        both = StateLock.for_dirs(tmp_path / "state", tmp_path / "logs")
+        with pytest.raises(StateLocked):
+            both.acquire()
+        assert not both.held and not is_locked(tmp_path / "state")
+    finally:
+        held.release()
+
+
+@pytest.mark.parametrize("shared", ["state", "logs"])
+def test_second_host_on_a_shared_directory_exits_1_and_touches_nothing(
+    tmp_path: Path, shared: str
+) -> None:
+    with HostProc(tmp_path / "a") as h:
+        h.start()
+        iid, pid, _port = start_instance(h)
+        config_before = settled_bytes(h.tmp / "config.json")
+        env = h.env()
+        env["PORT"] = str(free_port())  # a free port: only the lock can stop it
+        if shared == "logs":
+            other = tmp_path / "b"
+            other.mkdir()
+            env["CONFIG_FILE"] = str(other / "config.json")
+            env["MODELS_DIR"] = str(other / "models")
+            env["JOBS_DIR"] = str(other / "jobs")
+            directory = h.tmp / "logs"
+        else:
+            directory = h.tmp
+        p = run_second_host(env)
+        assert p.returncode == 1, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1, p.stderr
+        assert str(directory.resolve()) in lines[0] and f"pid {h.pid}" in lines[0], lines[0]
+        # Nothing touched: the first host's records, its backend and its service.
+        assert (h.tmp / "config.json").read_bytes() == config_before
+        assert alive(pid)
+        with h.client() as c:
+            inst = c.get(f"/instances/{iid}").json()
+        assert inst["status"] == "running" and inst["pid"] == pid
+        if shared == "logs":
+            assert not (tmp_path / "b" / "config.json").exists()
+
+
+def test_lock_of_a_killed_host_is_free_for_the_next(tmp_path: Path) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        _iid, pid, _port = start_instance(h)
+        h.kill(signal.SIGKILL)
+        assert not is_locked(h.tmp)
+        h.start()
+        with h.client() as c:
+            [inst] = c.get("/instances").json()
+        assert inst["status"] == "running" and inst["pid"] == pid  # re-adopted
+
+
+# --- which stop keeps backends ------------------------------------------------------------------
+
+
+def test_sigterm_stops_backends_by_default(tmp_path: Path) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        _iid, pid, _port = start_instance(h)
+        assert h.stop() == 0 or h.proc is not None
+        wait_for(lambda: not alive(pid), 30, "the backend to stop")
+        assert h.backends() == []
+
+
+def test_hand_over_signal_leaves_backends_serving_for_the_next_host(tmp_path: Path) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid, port = start_instance(h)
+        with Prober(port) as probe:
+            h.proc.send_signal(signal.SIGUSR2)  # type: ignore[union-attr]
+            assert h.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
+            assert alive(pid)
+            h.start()
+            with h.client() as c:
+                inst = c.get(f"/instances/{iid}").json()
+            assert inst["status"] == "running" and inst["pid"] == pid, inst
+            time.sleep(0.3)  # a few more probes against the re-adopted backend
+        assert probe.failed == [] and probe.ok > 5, (probe.failed, probe.ok)
+        assert [p.pid for p in h.backends()] == [pid]  # no second backend
+        assert "hand-over restart requested" in h.log()
+
+
+def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) -> None:
+    with pytest.raises(HandOverError, match="no solar-host is running"):
+        running_host_pid(tmp_path)
+    with HostProc(tmp_path) as h:
+        h.start()
+        _iid, pid, _port = start_instance(h)
+        assert running_host_pid(h.tmp) == h.pid
+        assert hand_over(h.tmp, timeout=60) == h.pid
+        assert h.proc is not None and h.proc.wait(timeout=10) == 0
+        assert alive(pid)
+        with pytest.raises(HandOverError):
+            running_host_pid(h.tmp)
+
+
+# --- systemd notifications ------------------------------------------------------------------------
+
+
+class NotifySocket:
+    """A datagram socket playing systemd's notification socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[dict[str, str]] = []
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                return
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if line)
+            self.messages.append(fields)
+
+    def wait(self, key: str, timeout: float = 30.0, count: int = 1) -> list[dict[str, str]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.drain()
+            found = [m for m in self.messages if key in m]
+            if len(found) >= count:
+                return found
+            assert time.monotonic() < deadline, f"no {key} (got {self.messages})"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_notifier_reads_and_removes_systemds_variables(tmp_path: Path) -> None:
+    env = {"NOTIFY_SOCKET": "@solar-test", "WATCHDOG_USEC": "2000000", "OTHER": "x"}
+    n = Notifier.from_environment(env)
+    assert n.address == "@solar-test" and n.watchdog_s == 2.0
+    assert env == {"OTHER": "x"}
+    # A watchdog meant for another process is not ours to feed.
+    env = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}
+    assert Notifier.from_environment(env).watchdog_s == 0.0
+    assert not Notifier().send("READY=1")  # no socket: a no-op
+
+
+def test_notifier_speaks_to_an_abstract_socket() -> None:
+    name = f"solar-test-{os.getpid()}-{time.monotonic_ns()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(5)
+    try:
+        assert Notifier(address="@" + name).ready("ok")
+        fields = dict(line.split("=", 1) for line in sock.recv(4096).decode().splitlines())
+        assert fields == {"READY": "1", "MAINPID": str(os.getpid()), "STATUS": "ok"}
+    finally:
+        sock.close()
+
+
+def test_host_tells_systemd_ready_watchdog_and_stopping(tmp_path: Path) -> None:
+    notify = NotifySocket(tmp_path / "notify.sock")
+    try:
+        env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"}
+        with HostProc(tmp_path / "host", env=env) as h:
+            h.start()
+            [ready] = notify.wait("READY")
+            assert ready["MAINPID"] == str(h.pid)
+            notify.wait("WATCHDOG", count=3, timeout=30)
+            _iid, pid, _port = start_instance(h)
+            # The backend cannot speak for the host: systemd's variables are not inherited.
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert not [v for v in environ if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_"))]
+            h.stop()
+            notify.wait("STOPPING")
+    finally:
+        notify.close()
