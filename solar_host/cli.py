@@ -103,7 +103,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="only files matching this glob (repeatable)",
     )
     sub.add_parser("models", parents=[opts], help="list pulled models")
+    hp = sub.add_parser(
+        "handover",
+        help="restart the host leaving its backends serving (the next host re-adopts them)",
+    )
+    hp.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
+    hp.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the host to exit"
+    )
     return p
+
+
+# --- handover -----------------------------------------------------------------------------------
+
+
+def handover(args: argparse.Namespace) -> int:
+    from solar_host.handover import HandOverError, hand_over
+    from solar_host.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings(args.env_file)
+    except SettingsError as err:
+        _err(str(err))
+        return EXIT_USAGE
+    state_dir = settings.config_file.parent
+    try:
+        pid = hand_over(state_dir, timeout=args.timeout)
+    except HandOverError as err:
+        _err(str(err))
+        return EXIT_FAILED
+    print(f"host pid {pid} exited; its backends keep serving until the next host adopts them")
+    return EXIT_OK
 
 
 # --- serve --------------------------------------------------------------------------------------
@@ -519,4 +549,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in (None, "serve"):
         return serve(args)
+    if args.command == "handover":
+        return handover(args)
     return run_client(args)

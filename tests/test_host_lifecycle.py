@@ -237,6 +237,30 @@ def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) 
         assert alive(pid)
         with pytest.raises(HandOverError):
             running_host_pid(h.tmp)
+        # The command line: finds the host from its settings, exits 0 once it is gone.
+        h.start()
+        env = {**h.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        p = subprocess.run(
+            [sys.executable, "-m", "solar_host", "handover", "--env-file", str(h.tmp / "no.env")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=h.tmp,
+        )
+        assert p.returncode == 0, p.stderr
+        assert "exited" in p.stdout
+        assert h.proc is not None and h.proc.wait(timeout=10) == 0
+        assert alive(pid)
+        p = subprocess.run(
+            [sys.executable, "-m", "solar_host", "handover", "--env-file", str(h.tmp / "no.env")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=h.tmp,
+        )
+        assert p.returncode == 1 and "no solar-host is running" in p.stderr, p.stderr
 
 
 # --- systemd notifications ------------------------------------------------------------------------
