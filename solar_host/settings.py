@@ -125,6 +125,11 @@ class Settings(BaseModel):
 
     # --- model store ---------------------------------------------------------------------
     models_dir: Path = Field(default=Path("models"), description="Managed models directory.")
+    model_roots: str = Field(
+        default="",
+        description="More directories (comma-separated) instance configs may name files in, "
+        "besides MODELS_DIR; every other path is refused (422).",
+    )
     min_free_disk_gb: float = Field(
         default=2.0, ge=0, description="Free space floor for pulls and jobs."
     )
@@ -239,6 +244,12 @@ class Settings(BaseModel):
     @property
     def control_urls(self) -> list[str]:
         return [u.strip() for u in self.solar_control_url.split(",") if u.strip()]
+
+    @property
+    def model_root_dirs(self) -> list[Path]:
+        """MODELS_DIR first (relative paths resolve against it), then MODEL_ROOTS."""
+        extra = [Path(p.strip()).expanduser() for p in self.model_roots.split(",") if p.strip()]
+        return [self.models_dir, *extra]
 
     @property
     def api_key_file(self) -> Path:

@@ -332,6 +332,7 @@ class InstanceManager:
                 models_dir=self.settings.models_dir,
                 strict=True,
                 manifest_lookup=self.manifest_lookup,
+                roots=self.settings.model_root_dirs,
             )
         except ConfigError as err:
             raise InvalidInstanceConfig(

@@ -27,6 +27,7 @@ from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
 from solar_host.logging_setup import instance_id_var
+from solar_host.model_store.roots import check_config as check_model_roots
 
 if TYPE_CHECKING:
     from solar_host.instances.manager import InstanceManager
@@ -210,6 +211,8 @@ class Supervisor:
             capabilities=backend.capabilities(config, settings.models_dir),
         )
         try:
+            # Again at start: a symlink inside a root may have been re-pointed since create.
+            check_model_roots(config, settings.model_root_dirs)
             hook = getattr(backend, "before_start", None)
             if hook is not None:
                 for w in hook(config, ctx) or ():
