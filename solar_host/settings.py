@@ -119,6 +119,13 @@ class Settings(BaseModel):
     start_failure_log_tail_lines: int = Field(
         default=20, ge=0, description="Lines in log_tail of a failed start."
     )
+    backend_env_passthrough: str = Field(
+        default="",
+        description="Host environment variables passed to backends beyond the built-in "
+        "allowlist (comma-separated names or patterns like MY_*). A credential-like name "
+        "(*_KEY, *_TOKEN, *_PASSWORD, *_SECRET, HF_TOKEN, HARBOR_*) passes only when listed "
+        "by its exact name.",
+    )
     llama_server_bin: str = Field(
         default="llama-server", description="llama-server executable (a path or a name on PATH)."
     )

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from solar_host.backends.registry import BackendRegistry
-from solar_host.model_store.roots import check_config, confine
 from solar_host.instances.schemas import parse_config
+from solar_host.model_store.roots import check_config, confine
 from tests.fixtures.gguf import llama_server_binary, write_tiny_gguf
 from tests.fixtures.host import host_settings, running_host
 
@@ -95,20 +95,31 @@ def cases(t: dict[str, Path]) -> list[tuple[str, str, dict[str, Any]]]:
         dspark = {"spec_type": "draft-dspark", "spec_draft_model": bad}
         out.append(("llamacpp", "spec_draft_model", {**base, **dspark}))
         if not bad.startswith("/"):
-            out.append(("llamacpp", "model_source", {**base, "model": None,
-                                                      "model_source": f"local://{bad}"}))
+            out.append(
+                (
+                    "llamacpp",
+                    "model_source",
+                    {**base, "model": None, "model_source": f"local://{bad}"},
+                )
+            )
         else:
             out.append(("llamacpp", "model_file", {**base, "model_file": bad}))
-            out.append(("llamacpp", "model_source", {"backend_type": "llamacpp", "alias": "a",
-                                                      "model_source": f"local://{bad}"}))
+            out.append(
+                (
+                    "llamacpp",
+                    "model_source",
+                    {"backend_type": "llamacpp", "alias": "a", "model_source": f"local://{bad}"},
+                )
+            )
     for bad in bad_paths(t, "dir"):
         for bt in BACKENDS[1:]:
             field = "model_path" if bt == "sglang" else "model_id"
             base = base_config(t, bt)
             out.append((bt, field, {**base, field: bad}))
             source = f"local://{bad}"
-            out.append((bt, "model_source", {"backend_type": bt, "alias": "a",
-                                              "model_source": source}))
+            out.append(
+                (bt, "model_source", {"backend_type": bt, "alias": "a", "model_source": source})
+            )
         sg = base_config(t, "sglang")
         if not (bad.startswith("/") or ".." in bad):
             continue  # a bare word in extra_args is relative to the backend's cwd, not models/
@@ -130,8 +141,18 @@ def test_every_path_field_of_every_backend_is_confined(tree: dict[str, Path]) ->
         assert "root:$6$" not in text and "GGUF secret" not in text
         seen.add((bt, field))
     fields = {f for _, f in seen}
-    assert {"model", "model_file", "mmproj", "spec_draft_model", "chat_template_file",
-            "model_source", "model_id", "model_path", "extra_args", "extra_env"} <= fields
+    assert {
+        "model",
+        "model_file",
+        "mmproj",
+        "spec_draft_model",
+        "chat_template_file",
+        "model_source",
+        "model_id",
+        "model_path",
+        "extra_args",
+        "extra_env",
+    } <= fields
     assert {bt for bt, _ in seen} == set(BACKENDS)  # fmt: skip
 
 
@@ -181,25 +202,38 @@ async def test_create_and_update_refuse_paths_outside_the_roots(tree: dict[str, 
         r = await c.post("/instances", json={"config": attack})
         assert r.status_code == 422, r.text
         assert "chat_template_file" in r.text and str(tree["disk2"]) in r.text
-        r = await c.post("/instances", json={"config": {**attack, "model": "/etc/passwd",
-                                                        "chat_template_file": None}})
+        r = await c.post(
+            "/instances",
+            json={"config": {**attack, "model": "/etc/passwd", "chat_template_file": None}},
+        )
         assert r.status_code == 422 and "model" in r.text, r.text
         r = await c.post("/instances", json={"config": base_config(tree, "llamacpp")})
         assert r.status_code == 200, r.text
         iid = r.json()["instance"]["id"]
-        for field, bad in (("mmproj", "../outside/secret.gguf"), ("model", "out.gguf"),
-                           ("chat_template_file", str(tree["outside"] / "shadow"))):
+        for field, bad in (
+            ("mmproj", "../outside/secret.gguf"),
+            ("model", "out.gguf"),
+            ("chat_template_file", str(tree["outside"] / "shadow")),
+        ):
             cfg = {**base_config(tree, "llamacpp"), field: bad}
             r = await c.put(f"/instances/{iid}", json={"config": cfg})
             assert r.status_code == 422, (field, r.text)
             assert field in r.text
         # Nothing changed, and a model on the second root is fine.
-        r = await c.put(f"/instances/{iid}", json={"config": {
-            **base_config(tree, "llamacpp"), "model": str(tree["disk2"] / "other.gguf")}})
+        r = await c.put(
+            f"/instances/{iid}",
+            json={
+                "config": {
+                    **base_config(tree, "llamacpp"),
+                    "model": str(tree["disk2"] / "other.gguf"),
+                }
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["instance"]["config"]["model"] == str(tree["disk2"] / "other.gguf")
         listing = (await c.get("/instances")).json()
-        assert len(listing) == 1 and listing[0]["config"].get("chat_template_file") is None  # fmt: skip
+        assert len(listing) == 1
+        assert listing[0]["config"].get("chat_template_file") is None
 
 
 async def test_start_checks_again_and_spawns_nothing(tree: dict[str, Path]) -> None:

@@ -165,9 +165,14 @@ def parse_config(
 
     `strict=False` is for loading config.json: a recorded model file that no longer resolves
     is kept as recorded (a missing file shows when the instance starts), never dropped.
-    With `roots` (MODELS_DIR first, then MODEL_ROOTS) every path the final config names must
-    lie inside one of them (model_store/roots.py). Raises ConfigError with field paths.
+    Every path the final config names must lie inside one of `roots` (MODELS_DIR first, then
+    MODEL_ROOTS; default: MODELS_DIR alone), see model_store/roots.py. A record loaded with
+    `strict=False` is not refused for that: its start checks again and fails with the reason.
+    Raises ConfigError with field paths.
     """
+    if roots is None:
+        roots = [models_dir]
+    check_roots = strict
     if not isinstance(raw, dict):
         raise _error((), "config must be a JSON object", "dict_type")
     raw = migrate_config(raw)
@@ -206,7 +211,7 @@ def parse_config(
         loc = (field,) if current else ("model_source",)
         raise _error(loc, str(err)) from None
 
-    if roots is not None:
+    if check_roots:
         # Before patterns are globbed, so no directory outside the roots is even listed.
         _check_roots(config, roots)
     if bt == "llamacpp":
@@ -217,8 +222,8 @@ def parse_config(
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
         except files.PatternError as err:
             raise _error((err.field,), str(err)) from None
-    if roots is not None:
-        model_roots.anchor_relative(config, models_dir)
+    model_roots.anchor_relative(config, models_dir)
+    if check_roots:
         _check_roots(config, roots)
     return config
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from datetime import UTC, datetime
@@ -20,6 +19,11 @@ from typing import TYPE_CHECKING, Any
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import process as procs
+from solar_host.instances.backend_env import (
+    backend_environment,
+    parse_passthrough,
+    write_private_files,
+)
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
@@ -197,6 +201,7 @@ class Supervisor:
             sglang_venv_path=settings.sglang_venv_path,
             sglang_prompt_cache_dir=settings.sglang_prompt_cache_dir,
             gpu_type=self.m.facts().gpu_type,
+            private_dir=settings.config_file.parent / "backend-keys",
         )
         self.set_status(
             S.STARTING,
@@ -224,11 +229,9 @@ class Supervisor:
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
             log.warning("%s: %s", inst.config.alias, w)
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        for k in spec.env_remove:
-            env.pop(k, None)
-        env.update(spec.env)
+        env = backend_environment(
+            spec, passthrough=parse_passthrough(settings.backend_env_passthrough)
+        )
 
         if self.deleted:
             self.m.ports.release(port)
@@ -237,6 +240,7 @@ class Supervisor:
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
+            write_private_files(spec.private_files)
             proc = procs.spawn(spec.argv, env, log_path)
         except OSError as err:
             self.m.ports.release(port)
