@@ -28,7 +28,8 @@ def test_redactor_patterns() -> None:
     cases = {
         '127.0.0.1:5 - "WebSocket /instances/x/logs?api_key=abc123def&tail=5" [accepted]':
             '127.0.0.1:5 - "WebSocket /instances/x/logs?api_key=***&tail=5" [accepted]',
-        "GET /x?token=zz&harbor_password=pw HTTP/1.1": "GET /x?token=***&harbor_password=*** HTTP/1.1",
+        "GET /x?token=zz&harbor_password=pw HTTP/1.1":
+            "GET /x?token=***&harbor_password=*** HTTP/1.1",
         "Authorization: Bearer abc.def-ghi": "Authorization: Bearer ***",
         '{"X-API-Key": "kkkkkk"}': '{"X-API-Key": "***"}',
         f"the key is {HOST_KEY}.": "the key is ***.",
