@@ -116,6 +116,21 @@ class Settings(BaseModel):
     log_file_retention_s: float = Field(
         default=86400.0, ge=0, description="Age after which old backend log files are removed."
     )
+    log_file_max_bytes: int = Field(
+        default=100 * 1024 * 1024,
+        ge=4096,
+        description="Size at which a backend's or job step's log file is rotated "
+        "(its content moves to <file>.1).",
+    )
+    log_file_generations: int = Field(
+        default=3, ge=1, le=100, description="Rotated log files kept per log (<file>.1 ...)."
+    )
+    log_line_max_bytes: int = Field(
+        default=16 * 1024,
+        ge=256,
+        le=16 * 1024 * 1024,
+        description="Longest log line kept; the rest is cut, the line ends with a marker.",
+    )
     start_failure_log_tail_lines: int = Field(
         default=20, ge=0, description="Lines in log_tail of a failed start."
     )

@@ -362,8 +362,25 @@ class Supervisor:
                 if any(ready_check.is_ready_line(line) for line in lines):
                     ready.set()
 
-        self.follower = LogFollower(path, on_lines, self.m.inotify, offset=offset)
+        settings = self.m.settings
+        self.follower = LogFollower(
+            path,
+            on_lines,
+            self.m.inotify,
+            offset=offset,
+            max_line_bytes=settings.log_line_max_bytes,
+            max_file_bytes=settings.log_file_max_bytes,
+            generations=settings.log_file_generations,
+            on_rotate=self._rotated,
+        )
         self.follower.start()
+
+    def _rotated(self, lines_moved: int) -> None:
+        """The log file was rotated: re-adoption counts lines from a higher base now."""
+        rec = self.stored.process
+        if rec is not None:
+            rec.seq_base += lines_moved
+            self.m.persist_soon()
 
     async def _stop_follower(self) -> None:
         if self.follower is not None:
