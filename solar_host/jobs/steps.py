@@ -141,7 +141,11 @@ def container_spec(
         str(root / "data"): {"bind": f"{WORKSPACE}/data", "mode": inputs},
         str(root / "output"): {"bind": f"{WORKSPACE}/output", "mode": "rw"},
         str(root / "config"): {"bind": f"{WORKSPACE}/config", "mode": "rw"},
-        str(default_hf_cache(settings).absolute()): {"bind": HF_HOME_IN_CONTAINER, "mode": "rw"},
+        # Read-only unless the step asks: one job must not rewrite the models others load.
+        str(default_hf_cache(settings).absolute()): {
+            "bind": HF_HOME_IN_CONTAINER,
+            "mode": "rw" if step.hf_cache_write else "ro",
+        },
     }
     return ContainerSpec(
         image=step.image,
