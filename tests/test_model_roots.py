@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from solar_host.backends.base import LaunchContext
 from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.schemas import parse_config
 from solar_host.model_store.roots import check_config, confine
@@ -174,9 +175,12 @@ def test_inside_and_other_roots_are_accepted(tree: dict[str, Path]) -> None:
     for cfg in good:
         config = parse_config(cfg, models_dir=models, roots=roots)
         check_config(config, roots)
-    # A relative chat template is anchored to MODELS_DIR: the backend opens the checked file.
+    # A relative chat template is kept as sent, and the backend opens the checked file.
     config = parse_config(good[0], models_dir=models, roots=roots)
-    assert config.chat_template_file == str(models / "m" / "template.jinja")
+    assert config.chat_template_file == "m/template.jinja"
+    ctx = LaunchContext(instance_id="i", port=1, host_api_key="k", models_dir=models)
+    argv = BackendRegistry.default().for_type("llamacpp").launch(config, ctx).argv
+    assert argv[argv.index("--chat-template-file") + 1] == str(models / "m" / "template.jinja")
     # Without MODEL_ROOTS the second disk is outside.
     with pytest.raises(ValueError, match="model"):
         parse_config(good[1], models_dir=models, roots=[models])

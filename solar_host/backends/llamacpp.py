@@ -35,6 +35,7 @@ from solar_host.backends.base import (
     utc_now_iso,
 )
 from solar_host.backends.llamacpp_config import LlamaCppConfig
+from solar_host.model_store.roots import anchor_relative
 
 API_KEY_ENV = "LLAMA_API_KEY"
 # Would add keys or move the key file behind our back; the host's own LLAMA_API_KEY (if any)
@@ -377,7 +378,10 @@ class LlamaCppBackend:
         return LlamaCppConfig
 
     def launch(self, config: BackendConfigBase, ctx: LaunchContext) -> LaunchSpec:
-        c = _as_config(config)
+        c = _as_config(config).model_copy()
+        # Relative file fields were checked against MODELS_DIR: open exactly those files, not
+        # whatever the backend's working directory holds under that name.
+        anchor_relative(c, ctx.models_dir)
         if not c.model:
             raise LaunchError(
                 "llama.cpp instance has no model file: resolve model_source (POST /models/pull) "

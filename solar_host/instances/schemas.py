@@ -222,7 +222,6 @@ def parse_config(
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
         except files.PatternError as err:
             raise _error((err.field,), str(err)) from None
-    model_roots.anchor_relative(config, models_dir)
     if check_roots:
         _check_roots(config, roots)
     return config

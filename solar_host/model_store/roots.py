@@ -138,7 +138,8 @@ def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
 
 def anchor_relative(config: Any, models_dir: Path) -> None:
     """Make relative file fields absolute under MODELS_DIR, so the backend opens exactly the
-    file that was checked (it would otherwise resolve them against its working directory)."""
+    file that was checked (it would otherwise resolve them against its working directory).
+    Applied to the copy a backend launches from: the stored config echoes what was sent."""
     for name in ("chat_template_file", "mmproj", "spec_draft_model"):
         value = getattr(config, name, None)
         if isinstance(value, str) and value and not Path(value).is_absolute():
