@@ -99,3 +99,28 @@ async def test_hf_cache_is_read_only_unless_a_step_asks(
         rw = await wait_for(client, "rw-1", finished, within=60)
         assert rw["status"] == "completed", rw
         assert (hf / "written").read_text() == "new\n"
+
+
+async def test_step_logs_are_bounded(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A step printing ~40 MB and one 200 KB line: rotated files, the line cut with a marker."""
+    mib = 1024 * 1024
+    host = Host(make_settings(tmp_path, log_file_max_bytes=4 * mib, log_file_generations=2))
+    script = (
+        "yes 'a fairly ordinary line of job output, repeated' | head -c 40000000; "
+        "yes x | head -c 400000 | tr -d '\\n'; echo; echo LAST"
+    )
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("big-1", sh("a", dockerd.image, script)))
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "big-1", finished, within=180)
+        assert body["status"] == "completed", body
+    logs = sorted((tmp_path / "jobs" / "big-1" / "logs").iterdir())
+    assert [p.name for p in logs] == ["a.log", "a.log.1", "a.log.2"], logs
+    assert all(p.stat().st_size <= 4 * mib for p in logs)
+    text = (tmp_path / "jobs" / "big-1" / "logs" / "a.log").read_text()
+    cut = [ln for ln in text.splitlines() if "xxxx" in ln]
+    assert len(cut) == 1 and cut[0].endswith(" [line cut: longer than 16384 bytes]")
+    assert text.endswith("LAST\n")
