@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from solar_host.events import EventBus
+from solar_host.logging_setup import add_secrets
 from solar_host.resources.probes import LiveProbe, SystemProbe
 from solar_host.settings import Settings
 from solar_host.statelock import StateLock, StateLocked
@@ -129,6 +130,7 @@ class Host:
     async def _start(self) -> None:
         key, generated = resolve_api_key(self.settings)
         self.api_key = key
+        add_secrets(key)  # never in a log line, whoever prints it
         if generated:
             # Printed once, on the terminal that started the host, and never logged.
             print(

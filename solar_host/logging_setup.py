@@ -1,10 +1,17 @@
-"""The host's own log: readable lines by default, JSON lines with LOG_FORMAT=json."""
+"""The host's own log: readable lines by default, JSON lines with LOG_FORMAT=json.
+
+Every line is redacted before it is written: credentials in query strings (`?api_key=...`,
+which uvicorn prints in its access and WebSocket lines), Bearer and X-API-Key values, and the
+literal values of the host's secrets (API_KEY, HF_TOKEN, HARBOR_PASSWORD) wherever they appear.
+"""
 
 from __future__ import annotations
 
 import contextvars
 import json
 import logging
+import re
+from collections.abc import Iterable
 from datetime import UTC, datetime
 
 from solar_host.settings import Settings
@@ -16,6 +23,52 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 instance_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "instance_id", default=None
 )
+
+
+REDACTED = "***"
+# `name=value` in a query string (or a form body) whose name says it is a credential.
+_QUERY_SECRET = re.compile(
+    r"(?i)((?:^|[?&;\s\"'])(?:[a-z0-9_.-]*(?:api[_-]?key|apikey|token|password|passwd|secret)"
+    r"|key|auth|sig|signature)=)[^&;\s\"'#]+"
+)
+_BEARER = re.compile(r"(?i)(\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=:-]+")
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]+:)[^/\s@]+@")
+_KEY_HEADER = re.compile(r"(?i)(x-api-key[\"']?\s*[:=]\s*[\"']?)[^\s\"',;}]+")
+
+
+class Redactor:
+    """Removes credentials from text: known secret values and credential-shaped fields."""
+
+    def __init__(self, secrets: Iterable[str] = ()):
+        self._secrets: tuple[str, ...] = ()
+        self.add(secrets)
+
+    def add(self, secrets: Iterable[str]) -> None:
+        # Short values would blank ordinary words; real keys and tokens are long.
+        new = {s for s in secrets if s and len(s) >= 6}
+        self._secrets = tuple(sorted(set(self._secrets) | new, key=len, reverse=True))
+
+    def __call__(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        if "=" in text:
+            text = _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
+        if "earer" in text or "asic" in text or "BEARER" in text:
+            text = _BEARER.sub(lambda m: m.group(1) + REDACTED, text)
+        if "://" in text and "@" in text:
+            text = _URL_PASSWORD.sub(lambda m: m.group(1) + REDACTED + "@", text)
+        if "api-key" in text.lower():
+            text = _KEY_HEADER.sub(lambda m: m.group(1) + REDACTED, text)
+        return text
+
+
+# The redactor of the configured handler; secrets learnt later (a generated key) are added.
+redact = Redactor()
+
+
+def add_secrets(*secrets: str) -> None:
+    redact.add(secrets)
 
 
 class _ContextFilter(logging.Filter):
@@ -38,7 +91,7 @@ class TextFormatter(logging.Formatter):
         line = f"{ts} {record.levelname:<7} {record.name}{ctx}: {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        return redact(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -55,10 +108,11 @@ class JsonFormatter(logging.Formatter):
                 doc[key] = value
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False)
+        return redact(json.dumps(doc, ensure_ascii=False))
 
 
 def configure_logging(settings: Settings) -> None:
+    add_secrets(settings.api_key, settings.hf_token, settings.harbor_password)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
     handler.addFilter(_ContextFilter())

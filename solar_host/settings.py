@@ -116,8 +116,30 @@ class Settings(BaseModel):
     log_file_retention_s: float = Field(
         default=86400.0, ge=0, description="Age after which old backend log files are removed."
     )
+    log_file_max_bytes: int = Field(
+        default=100 * 1024 * 1024,
+        ge=4096,
+        description="Size at which a backend's or job step's log file is rotated "
+        "(its content moves to <file>.1).",
+    )
+    log_file_generations: int = Field(
+        default=3, ge=1, le=100, description="Rotated log files kept per log (<file>.1 ...)."
+    )
+    log_line_max_bytes: int = Field(
+        default=16 * 1024,
+        ge=256,
+        le=16 * 1024 * 1024,
+        description="Longest log line kept; the rest is cut, the line ends with a marker.",
+    )
     start_failure_log_tail_lines: int = Field(
         default=20, ge=0, description="Lines in log_tail of a failed start."
+    )
+    backend_env_passthrough: str = Field(
+        default="",
+        description="Host environment variables passed to backends beyond the built-in "
+        "allowlist (comma-separated names or patterns like MY_*). A credential-like name "
+        "(*_KEY, *_TOKEN, *_PASSWORD, *_SECRET, HF_TOKEN, HARBOR_*) passes only when listed "
+        "by its exact name.",
     )
     llama_server_bin: str = Field(
         default="llama-server", description="llama-server executable (a path or a name on PATH)."
@@ -125,6 +147,11 @@ class Settings(BaseModel):
 
     # --- model store ---------------------------------------------------------------------
     models_dir: Path = Field(default=Path("models"), description="Managed models directory.")
+    model_roots: str = Field(
+        default="",
+        description="More directories (comma-separated) instance configs may name files in, "
+        "besides MODELS_DIR; every other path is refused (422).",
+    )
     min_free_disk_gb: float = Field(
         default=2.0, ge=0, description="Free space floor for pulls and jobs."
     )
@@ -239,6 +266,12 @@ class Settings(BaseModel):
     @property
     def control_urls(self) -> list[str]:
         return [u.strip() for u in self.solar_control_url.split(",") if u.strip()]
+
+    @property
+    def model_root_dirs(self) -> list[Path]:
+        """MODELS_DIR first (relative paths resolve against it), then MODEL_ROOTS."""
+        extra = [Path(p.strip()).expanduser() for p in self.model_roots.split(",") if p.strip()]
+        return [self.models_dir, *extra]
 
     @property
     def api_key_file(self) -> Path:

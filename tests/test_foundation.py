@@ -176,7 +176,8 @@ async def test_two_hosts_in_one_process_are_independent(tmp_path: Path) -> None:
     b.mkdir()
     async with running_host(host_settings(a, api_key="key-a-0123456789"), backends=reg()) as ha:
         async with running_host(host_settings(b, api_key="key-b-0123456789"), backends=reg()) as hb:
-            model = a / "m.gguf"
+            model = a / "models" / "m.gguf"
+            model.parent.mkdir(parents=True, exist_ok=True)
             model.write_bytes(b"x")
             r = await ha.client.post(
                 "/instances", json={"config": {"alias": "a", "model": str(model)}}
@@ -218,7 +219,7 @@ def test_config_rules(tmp_path: Path) -> None:
     bad({"backend_type": "huggingface_causal", "alias": "a"}, "", "Either 'model_id'")
     bad({"backend_type": "nope", "alias": "a"}, "backend_type", "Unknown backend_type")
     bad({**base, "model_source": "repo://m:1", "model": None}, "model_source", "POST /models/pull")
-    bad({**base, "model": "../outside.gguf"}, "model", "outside of MODELS_DIR")
+    bad({**base, "model": "../outside.gguf"}, "model", "outside the allowed model roots")
     bad({**base, "model": None, "model_source": "local://../x.gguf"}, "model_source", "outside")
     bad(
         {"backend_type": "sglang", "alias": "a", "model_path": "/m", "extra_args": ["--por", "1"]},
@@ -247,7 +248,8 @@ def test_config_rules(tmp_path: Path) -> None:
 def test_migration_of_configs_without_backend_type(tmp_path: Path) -> None:
     md = tmp_path
     assert (
-        parse_config({"alias": "a", "model": "/x.gguf"}, models_dir=md).backend_type == "llamacpp"
+        parse_config({"alias": "a", "model": str(md / "x.gguf")}, models_dir=md).backend_type
+        == "llamacpp"
     )
     c = parse_config({"alias": "a", "model_id": "org/m", "labels": ["n", "p"]}, models_dir=md)
     assert c.backend_type == "huggingface_classification"
@@ -273,7 +275,8 @@ async def test_create_answers_422_with_field_path(tmp_path: Path) -> None:
 
 async def test_update_null_clears_markers_and_running_is_409(tmp_path: Path) -> None:
     async with running_host(host_settings(tmp_path), backends=reg()) as h:
-        model = tmp_path / "m.gguf"
+        model = tmp_path / "models" / "m.gguf"  # inside MODELS_DIR (ruling 12)
+        model.parent.mkdir(parents=True, exist_ok=True)
         model.write_bytes(b"x")
         r = await h.client.post(
             "/instances",
@@ -392,7 +395,8 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
     small = small_fs
     s = host_settings(tmp_path, config_file=small / "config.json")
     async with running_host(s, backends=reg()) as h:
-        model = tmp_path / "m.gguf"
+        model = tmp_path / "models" / "m.gguf"  # inside MODELS_DIR (ruling 12)
+        model.parent.mkdir(parents=True, exist_ok=True)
         model.write_bytes(b"x")
         cfg = {"alias": "a", "model": str(model)}
         iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]

@@ -84,7 +84,9 @@ async def create_and_start(client: httpx.AsyncClient, config: dict[str, Any]) ->
     return Started(iid, r, time.monotonic() - t0, client)
 
 
-def spawn_subprocess_host(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
+def spawn_subprocess_host(
+    tmp: Path, port: int, model_root: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
     """`python -m solar_host` configured through the environment only."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SOLAR_", "API_KEY"))}
     env.update(
@@ -100,6 +102,7 @@ def spawn_subprocess_host(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes]
             "START_PORT": str(free_port()),
             "SOLAR_CONTROL_URL": "",
             "MAX_RETRIES": "0",
+            "MODEL_ROOTS": str(model_root),
             "INSTANCE_READY_TIMEOUT_S": str(READY_TIMEOUT_S),
             "STOP_GRACE_S": "3",
         }
@@ -145,12 +148,13 @@ async def hosts(
     sub_tmp = tmp_path_factory.mktemp("hf-subhost")
     settings = host_settings(
         tmp,
+        model_roots=str(models.causal.parent),  # the session's tiny models live outside tmp
         max_retries=0,
         instance_ready_timeout_s=READY_TIMEOUT_S,
         start_port=free_port(),
     )
     sub_port = free_port()
-    proc, sub_log = spawn_subprocess_host(sub_tmp, sub_port)
+    proc, sub_log = spawn_subprocess_host(sub_tmp, sub_port, models.causal.parent)
     sub_url = f"http://127.0.0.1:{sub_port}"
     try:
         async with running_host(settings, probe=FakeProbe()) as h:

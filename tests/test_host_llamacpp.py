@@ -72,7 +72,7 @@ async def chat(port: int, key: str = API_KEY) -> httpx.Response:
 async def test_llama_lifecycle_through_the_host(
     tmp_path: Path, llama_bin: str, tiny_gguf: Path
 ) -> None:
-    s = host_settings(tmp_path, llama_server_bin=llama_bin)
+    s = host_settings(tmp_path, llama_server_bin=llama_bin, model_roots=str(tiny_gguf.parent))
     async with running_host(s) as h:
         assert "llamacpp" in (await h.client.get("/")).json()["supported_backends"]
         r = await h.client.post(
@@ -167,7 +167,7 @@ async def test_broken_model_file_gives_structured_500_fast(tmp_path: Path, llama
 async def test_concurrent_start_and_stop_calls(
     tmp_path: Path, llama_bin: str, tiny_gguf: Path
 ) -> None:
-    s = host_settings(tmp_path, llama_server_bin=llama_bin)
+    s = host_settings(tmp_path, llama_server_bin=llama_bin, model_roots=str(tiny_gguf.parent))
     async with running_host(s) as h:
         iid = (await h.client.post("/instances", json={"config": llama_cfg(tiny_gguf)})).json()[
             "instance"
@@ -193,7 +193,11 @@ async def test_concurrent_start_and_stop_calls(
 def test_host_sigkill_backend_keeps_serving_and_is_readopted(
     tmp_path: Path, llama_bin: str, tiny_gguf: Path
 ) -> None:
-    with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
+    with HostProc(
+        tmp_path / "host",
+        backend="real",
+        env={"LLAMA_SERVER_BIN": llama_bin, "MODEL_ROOTS": str(tiny_gguf.parent)},
+    ) as host:
         host.start()
         with host.client() as c:
             iid, inst = create_and_start(c, tiny_gguf)
@@ -224,7 +228,11 @@ def test_stale_record_whose_pid_belongs_to_another_process(
     import subprocess
     import sys
 
-    with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
+    with HostProc(
+        tmp_path / "host",
+        backend="real",
+        env={"LLAMA_SERVER_BIN": llama_bin, "MODEL_ROOTS": str(tiny_gguf.parent)},
+    ) as host:
         host.start()
         with host.client() as c:
             iid, inst = create_and_start(c, tiny_gguf)
@@ -253,7 +261,11 @@ def test_boot_restarts_instances_that_were_running(
     tmp_path: Path, llama_bin: str, tiny_gguf: Path
 ) -> None:
     """A graceful shutdown stops backends and remembers them; the next boot starts them."""
-    with HostProc(tmp_path / "host", backend="real", env={"LLAMA_SERVER_BIN": llama_bin}) as host:
+    with HostProc(
+        tmp_path / "host",
+        backend="real",
+        env={"LLAMA_SERVER_BIN": llama_bin, "MODEL_ROOTS": str(tiny_gguf.parent)},
+    ) as host:
         host.start()
         with host.client() as c:
             iid, started = create_and_start(c, tiny_gguf)

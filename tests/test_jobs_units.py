@@ -82,9 +82,12 @@ def test_definition_rules() -> None:
     assert d.steps[0].environment == {"N": "5", "F": "true"}
     assert d.retention_hours == 24.0 and d.display_name == "n"
     assert job(name=None).display_name == "job-1"
-    # control's extra keys are ignored; command may be a list or a string
-    d = job(extra="x", steps=[{"name": "a", "image": "i", "command": "echo hi", "other": 1}])
+    # control's extra job-level keys are ignored; command may be a list or a string
+    d = job(extra="x", steps=[{"name": "a", "image": "i", "command": "echo hi"}])
     assert d.steps[0].command == "echo hi"
+    # a step field the host does not implement is refused by name (issue 17)
+    with pytest.raises(ValidationError, match="not implemented by this host: other"):
+        job(steps=[{"name": "a", "image": "i", "other": 1}])
 
 
 @pytest.mark.parametrize(

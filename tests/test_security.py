@@ -143,12 +143,13 @@ def launch_ctx(tmp_path: Path, **kw: Any) -> LaunchContext:
         llama_server_bin="llama-server",
         sglang_venv_path=str(make_fake_sglang_venv(tmp_path)),
         gpu_type="nvidia_cuda",
+        private_dir=tmp_path / "backend-keys",
     )
     base.update(kw)
     return LaunchContext(**base)
 
 
-def test_no_backend_takes_a_secret_on_argv_but_sglang_the_key(tmp_path: Path) -> None:
+def test_no_backend_takes_a_secret_on_argv(tmp_path: Path) -> None:
     models = tmp_path / "models"
     (models / "hf").mkdir(parents=True)
     model = write_tiny_gguf(models / "m.gguf")
@@ -166,9 +167,10 @@ def test_no_backend_takes_a_secret_on_argv_but_sglang_the_key(tmp_path: Path) ->
         argv = " ".join(spec.argv)
         assert HF_TOKEN not in argv and HARBOR_PASSWORD not in argv
         if bt == "sglang":
-            # The one documented exception: SGLang reads its key only from --api-key.
-            assert spec.argv[spec.argv.index("--api-key") + 1] == API_KEY
-            assert argv.count(API_KEY) == 1
+            # SGLang reads its key from no variable: a private file named by --config.
+            assert API_KEY not in argv and "--api-key" not in spec.argv
+            key_file = spec.argv[spec.argv.index("--config") + 1]
+            assert API_KEY in spec.private_files[key_file]
         else:
             assert API_KEY not in argv, bt
             assert "instance-own-key-1234" not in argv, bt
@@ -229,8 +231,7 @@ async def test_secrets_stay_out_of_cmdlines_logs_bodies_and_listings(
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()  # noqa: ASYNC240
             kids = psutil.Process(pid).children(recursive=True)
             cmdline += " ".join(" ".join(k.cmdline()) for k in kids)
-            sglang = iid == ids[1]
-            assert_no_secret(cmdline, f"cmdline of {iid}", host_key_ok=sglang)
+            assert_no_secret(cmdline, f"cmdline of {iid}")
             assert "instance-own-key-1234" not in cmdline
         # Error paths that touch the secrets' owners: pulls against unreachable sources.
         for body in (
@@ -264,7 +265,7 @@ async def test_secrets_stay_out_of_cmdlines_logs_bodies_and_listings(
     assert_no_secret(host_log, "host log")
     for f in (tmp_path / "logs").glob("*.log"):
         text = f.read_text("utf-8", "replace")
-        assert_no_secret(text, f"backend log {f.name}", host_key_ok="sg_" in f.name)
+        assert_no_secret(text, f"backend log {f.name}")
 
 
 @pytest.mark.parametrize(

@@ -30,9 +30,13 @@ def ctx(venv: Path | str, **kw) -> LaunchContext:
         models_dir=Path("/models"),
         sglang_venv_path=str(venv),
         gpu_type="nvidia_cuda",
+        private_dir=Path("/run/solar-host/backend-keys"),
     )
     base.update(kw)
     return LaunchContext(**base)
+
+
+KEY_FILE = "/run/solar-host/backend-keys/sglang-inst-1.yaml"
 
 
 def cfg(**kw) -> SglangConfig:
@@ -57,8 +61,11 @@ def test_argv_managed_flags(venv: Path) -> None:
     assert value_after(argv, "--served-model-name") == "test"
     assert value_after(argv, "--host") == "0.0.0.0"
     assert value_after(argv, "--port") == "8080"
-    # The one secret on a backend's argv: SGLang reads its key from no environment variable.
-    assert value_after(argv, "--api-key") == "test-key"
+    # SGLang reads its key from no environment variable: it gets it from a private YAML file
+    # (`--config`), never on argv.
+    assert "test-key" not in " ".join(argv) and "--api-key" not in argv
+    assert value_after(argv, "--config") == KEY_FILE
+    assert spec.private_files == {KEY_FILE: 'api-key: "test-key"\n'}
     assert argv.count("--enable-metrics") == 1
     assert argv[-1] == "--enable-metrics"
     assert spec.warnings == []
@@ -120,8 +127,8 @@ def test_missing_model_path_is_a_launch_error(venv: Path) -> None:
 def test_omitted_knobs_add_no_flags_and_booleans_are_bare(venv: Path) -> None:
     argv = BACKEND.launch(cfg(), ctx(venv)).argv
     assert argv[2:] == [
-        "--model-path", "/models/test", "--served-model-name", "test", "--host", "0.0.0.0",
-        "--port", "8080", "--api-key", "test-key", "--enable-metrics",
+        "--config", KEY_FILE, "--model-path", "/models/test", "--served-model-name", "test",
+        "--host", "0.0.0.0", "--port", "8080", "--enable-metrics",
     ]  # fmt: skip
     argv = BACKEND.launch(
         cfg(trust_remote_code=True, enable_hierarchical_cache=True), ctx(venv)
@@ -198,8 +205,8 @@ def test_extra_args_come_last_and_may_repeat_knobs(venv: Path) -> None:
 
 def test_instance_api_key_is_not_applied_and_says_so(venv: Path) -> None:
     spec = BACKEND.launch(cfg(api_key="other"), ctx(venv))
-    assert value_after(spec.argv, "--api-key") == "test-key"
-    assert spec.argv.count("--api-key") == 1
+    assert spec.private_files == {KEY_FILE: 'api-key: "test-key"\n'}
+    assert "other" not in " ".join(spec.argv)
     assert any("single API key" in w for w in spec.warnings)
 
 
@@ -227,6 +234,8 @@ def test_instance_api_key_is_not_applied_and_says_so(venv: Path) -> None:
         ("--enable-metr", "--enable-metrics"),
         ("--model-pa", "--model-path"),
         ("--api_key", "--api-key"),
+        ("--config=/tmp/mine.yaml", "--config"),
+        ("--conf", "--config"),
         ("--served_model_name=x", "--served-model-name"),
     ],
 )
@@ -287,7 +296,8 @@ def test_refusal_is_a_config_error_naming_the_field() -> None:
 # SGLang 0.5.23's long options that start like a managed flag (--h…, --p…, --a…, --s…, --m…,
 # --e…), extracted from its server_args field definitions. `--model` is an alias of
 # `--model-path` (one argparse action).
-SGLANG_0_5_23_OPTIONS = """
+SGLANG_0_5_23_OPTIONS = [
+    *"""
 --abort-on-priority-when-disabled --admin-api-key --allow-auto-truncate
 --allowed-media-domains --api-key --asr-max-buffer-seconds --asr-max-concurrent-sessions
 --attention-backend --attention-context-parallel-size --attention-data-parallel-size
@@ -387,7 +397,9 @@ SGLANG_0_5_23_OPTIONS = """
 --ssl-keyfile-password --startup-weight-load-mode --stream-interval
 --stream-response-default-include-usage --strip-thinking-cache --swa-full-tokens-ratio
 --swa-prefix-tails
-""".split()
+""".split(),
+    "--config",  # read by prepare_server_args (ConfigArgumentMerger), a managed flag
+]
 
 
 class _Refused(Exception):

@@ -18,6 +18,7 @@ from solar_host.backends.base import LaunchContext
 from solar_host.backends.prometheus import parse_prometheus_text
 from solar_host.backends.sglang import BACKEND, SglangLogParser, usage_snapshot
 from solar_host.backends.sglang_config import SglangConfig
+from solar_host.instances.backend_env import write_private_files
 from tests.fixtures.fake_sglang import make_fake_sglang_venv
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sglang_server.log"
@@ -303,8 +304,10 @@ class FakeServer:
             sglang_venv_path=str(venv),
             sglang_prompt_cache_dir=str(tmp_path / "cache"),
             gpu_type="nvidia_cuda",
+            private_dir=tmp_path / "keys",
         )
         self.spec = BACKEND.launch(self.config, self.ctx)
+        write_private_files(self.spec.private_files)  # as the supervisor does
         assert BACKEND.before_start(self.config, self.ctx) == []  # as the supervisor does
         env = {**os.environ, **self.spec.env, **(extra_env or {})}
         for name in self.spec.env_remove:
@@ -386,8 +389,10 @@ def test_fake_starts_serves_counts_and_stops(fake: FakeServer, tmp_path: Path) -
     assert info["env"]["PYTHONUNBUFFERED"] == "1" and info["env"]["PYTHONHOME"] is None
     assert info["args"]["served_model_name"] == "fake-model" and info["argv"][:2] == [
         "serve",
-        "--model-path",
+        "--config",
     ]
+    # The key came from the private file (the fake checked it on the request above).
+    assert "host-key" not in " ".join(fake.spec.argv)
 
     # One request: log lines and /metrics feed the parser like the supervisor will.
     parser = BACKEND.new_parser(fake.config)

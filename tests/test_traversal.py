@@ -1,6 +1,6 @@
 """Path traversal: every id, slug, pattern and relative path that tries to leave its root is
-refused with a 4xx and touches nothing outside (ruling 12: only local:// and relative paths are
-confined; an absolute path given directly is the operator's choice and is not tested here)."""
+refused with a 4xx and touches nothing outside (ruling 12; absolute paths and every path-like
+field of every backend type are covered by test_model_roots.py)."""
 
 from __future__ import annotations
 

@@ -110,9 +110,15 @@ async def restart_instance(request: Request, instance_id: str) -> Response:
 
 
 @router.get("/{instance_id}/logs")
-async def instance_logs(request: Request, instance_id: str) -> Response:
+async def instance_logs(
+    request: Request,
+    instance_id: str,
+    limit: int | None = Query(
+        default=None, ge=1, le=1_000_000, description="Newest lines to return (default: all kept)."
+    ),
+) -> Response:
     try:
-        return JSONResponse(_svc(request).logs(instance_id))
+        return JSONResponse(await _svc(request).logs(instance_id, limit))
     except InstanceError as err:
         return error_response(err)
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from solar_host.jobs.schemas import (
+    STEP_FIELD_ERROR,
     JobDefinition,
     JobStateResponse,
     JobSubmitted,
@@ -94,6 +95,7 @@ def _field_errors(err: ValidationError) -> str:
     responses={
         400: {"description": "Invalid job_id, steps, step names or GPU request"},
         409: {"description": "A job with this job_id exists"},
+        422: {"description": "A step field the host does not implement or refuses"},
         503: {"description": "No Docker daemon is reachable"},
         507: {"description": "Insufficient disk space"},
     },
@@ -109,7 +111,9 @@ async def submit_job(request: Request) -> Any:
     try:
         job = JobDefinition.model_validate(data)
     except ValidationError as err:
-        raise HTTPException(400, _field_errors(err)) from None
+        # A step field the host does not implement (or refuses) is a 422, other bad input 400.
+        refused = any(e.get("type") == STEP_FIELD_ERROR for e in err.errors())
+        raise HTTPException(422 if refused else 400, _field_errors(err)) from None
     service = _service(request)
     try:
         state = await service.submit(job)

@@ -95,16 +95,21 @@ class LaunchContext:
     sglang_prompt_cache_dir: str = ""
     gpu_type: str = "cpu"
     python_executable: str = ""
+    # A directory only the host user can read, for files that carry secrets (SGLang's key).
+    private_dir: Path | None = None
 
 
 @dataclass(slots=True)
 class LaunchSpec:
-    """A command line and the environment changes it needs on top of the host's environment."""
+    """A command line, the variables the backend needs on top of the allowlisted host
+    environment (instances/backend_env.py), and private files (path -> text) the host writes
+    0600 before the spawn."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     env_remove: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
+    private_files: dict[str, str] = field(default_factory=dict)
 
 
 class LaunchError(Exception):

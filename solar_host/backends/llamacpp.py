@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ from solar_host.backends.base import (
     utc_now_iso,
 )
 from solar_host.backends.llamacpp_config import LlamaCppConfig
+from solar_host.model_store.roots import anchor_relative
 
 API_KEY_ENV = "LLAMA_API_KEY"
 # Would add keys or move the key file behind our back; the host's own LLAMA_API_KEY (if any)
@@ -376,12 +378,17 @@ class LlamaCppBackend:
         return LlamaCppConfig
 
     def launch(self, config: BackendConfigBase, ctx: LaunchContext) -> LaunchSpec:
-        c = _as_config(config)
+        c = _as_config(config).model_copy()
+        # Relative file fields were checked against MODELS_DIR: open exactly those files, not
+        # whatever the backend's working directory holds under that name.
+        anchor_relative(c, ctx.models_dir)
         if not c.model:
             raise LaunchError(
                 "llama.cpp instance has no model file: resolve model_source (POST /models/pull) "
                 "or set 'model'"
             )
+        for name in ("model", "mmproj", "spec_draft_model"):
+            _require_gguf(name, getattr(c, name))
         argv = [
             ctx.llama_server_bin,
             "--model", c.model,
@@ -503,6 +510,26 @@ def speculative_args(c: LlamaCppConfig) -> list[str]:
             out += ["--spec-draft-conf-min", _num(c.spec_draft_conf_min)]
         return out
     return []
+
+
+def _require_gguf(field: str, path: str | None) -> None:
+    """Refuse a file that is not GGUF before llama-server opens it: its error quotes the
+    file's first bytes ("invalid magic characters: 'root'"), which would reach the start
+    error and the log of whoever asked. Directories are left to the backend."""
+    if not path:
+        return
+    try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            return
+        if not stat.S_ISREG(st.st_mode):
+            raise LaunchError(f"{field} '{path}' is not a regular file")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return  # missing or unreadable: llama-server says so without quoting anything
+    if magic != b"GGUF":
+        raise LaunchError(f"{field} '{path}' is not a GGUF file")
 
 
 def _as_config(config: BackendConfigBase) -> LlamaCppConfig:

@@ -11,6 +11,7 @@ from the counters' deltas and from the prefill lines.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -393,11 +394,17 @@ class SglangBackend:
                 "SGLang config has no model_path (resolve model_source before starting)"
             )
         warnings: list[str] = []
-        # The host key must be an argument: SGLang reads no environment variable for it
-        # (checked in sglang 0.5.23's server args), so it is visible in the process list to
-        # users of this machine. This is the one secret on a backend's command line.
+        # SGLang reads its key from no environment variable, and argv is readable by every
+        # user of the machine (ps, /proc/<pid>/cmdline). So the key goes in a YAML file
+        # only the host user can read, named by `--config`: SGLang merges the file's
+        # `api-key` into its arguments in memory (server_args_config_parser).
+        if ctx.private_dir is None:
+            raise LaunchError("SGLang needs a private directory for its key file")
+        key_file = ctx.private_dir / f"sglang-{ctx.instance_id}.yaml"
         argv = [
             *prefix,
+            "--config",
+            str(key_file),
             "--model-path",
             config.model_path,
             "--served-model-name",
@@ -406,8 +413,6 @@ class SglangBackend:
             config.host,
             "--port",
             str(ctx.port),
-            "--api-key",
-            ctx.host_api_key,
         ]
         if config.api_key and config.api_key != ctx.host_api_key:
             warnings.append(
@@ -448,7 +453,11 @@ class SglangBackend:
             env["VIRTUAL_ENV"] = venv
             env["PATH"] = f"{Path(venv) / 'bin'}{os.pathsep}{inherited}"
             env_remove = ("PYTHONHOME",)
-        return LaunchSpec(argv=argv, env=env, env_remove=env_remove, warnings=warnings)
+        # JSON strings are YAML double-quoted scalars: any key text survives the round trip.
+        private = {str(key_file): f"api-key: {json.dumps(ctx.host_api_key)}\n"}
+        return LaunchSpec(
+            argv=argv, env=env, env_remove=env_remove, warnings=warnings, private_files=private
+        )
 
     def is_ready_line(self, line: str) -> bool:
         return bool(_READY.search(line))

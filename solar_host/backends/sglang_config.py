@@ -19,6 +19,8 @@ MANAGED_FLAGS = (
     "--model-path",
     "--served-model-name",
     "--enable-metrics",
+    # Names the host's key file (the key reaches SGLang through it, never argv).
+    "--config",
 )
 # Other option strings of the same argparse actions (sglang 0.5.23: `--model` is an alias of
 # `--model-path`); each maps to the managed flag named in errors.

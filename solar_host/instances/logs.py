@@ -23,11 +23,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
+from solar_host.log_limits import Rotation, cut_marker, generation_path, rotate_appended
+
 log = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 64 * 1024  # longer lines are cut, so one runaway line cannot eat memory
+# Default cut of one line (LOG_LINE_MAX_BYTES): a runaway line cannot eat memory.
+MAX_LINE_BYTES = 16 * 1024
 READ_CHUNK = 256 * 1024
 HOT_POLL_S = 0.02  # read interval while a log is busy (no inotify watch then)
+# Where a rotation has to copy-truncate (no COLLAPSE_RANGE), how far its copy chases a
+# backend that keeps writing (4 x LOG_FILE_MAX_BYTES, at least this) before it truncates.
+ROTATE_CHASE_MIN_BYTES = 16 * 1024 * 1024
 
 
 class LogEntry(NamedTuple):
@@ -180,13 +186,28 @@ class LogFollower:
         *,
         offset: int = 0,
         poll_interval: float = 0.25,
+        max_line_bytes: int = MAX_LINE_BYTES,
+        max_file_bytes: int = 0,
+        generations: int = 3,
+        on_rotate: Callable[[int], None] | None = None,
     ):
         self.path = path
         self.on_lines = on_lines
         self.hub = hub
         self.offset = offset
         self.poll_interval = poll_interval
+        self.max_line_bytes = max_line_bytes
+        self._marker = cut_marker(max_line_bytes)
+        # Rotation (0: never): see log_limits. `on_rotate(n)` is told how many complete lines
+        # left the file, so whoever counts lines in it (re-adoption's seq) can add them.
+        self.max_file_bytes = max_file_bytes
+        self.generations = generations
+        self.on_rotate = on_rotate
+        self.rotations = 0
+        self._rotation: asyncio.Future[Rotation] | None = None
+        self._drain: tuple[int, int, int] | None = None  # (fd, pos, end) of a rotated copy
         self._partial = b""
+        self._skipping = False  # inside a cut line: drop bytes up to its newline
         self._fd = -1
         self._wd: int | None = None
         self._task: asyncio.Task[None] | None = None
@@ -227,9 +248,12 @@ class LogFollower:
             while True:
                 n = self.read_chunk()
                 got += n
-                if n < READ_CHUNK:
+                if n < READ_CHUNK or (self.max_file_bytes and self.offset >= self.max_file_bytes):
                     break
                 await asyncio.sleep(0)
+            if self.max_file_bytes and self.offset >= self.max_file_bytes:
+                await self._rotate()
+                continue
             if got and self.hot_polling and self.hub is not None:
                 self._disarm()
                 await asyncio.sleep(HOT_POLL_S)
@@ -246,6 +270,43 @@ class LogFollower:
             except TimeoutError:
                 pass
 
+    async def _rotate(self) -> None:
+        """Copy the file out and truncate it (off the loop), then go on reading from 0."""
+        fut = asyncio.ensure_future(
+            asyncio.to_thread(
+                rotate_appended,
+                self.path,
+                self.offset,
+                self.generations,
+                max(ROTATE_CHASE_MIN_BYTES, 4 * self.max_file_bytes),
+            )
+        )
+        self._rotation = fut
+        await asyncio.wait([fut])  # never cancels the copy; stop() finishes it instead
+        self._finish_rotation(fut)
+
+    def _finish_rotation(self, fut: asyncio.Future[Rotation]) -> None:
+        if self._rotation is not fut:
+            return  # already applied (by stop())
+        self._rotation = None
+        err = fut.exception()
+        if err is not None:
+            log.warning("cannot rotate %s: %s", self.path.name, err)
+            self.max_file_bytes = 0  # no retry loop: the file keeps growing, as before
+            return
+        done = fut.result()
+        if done.drain_to > done.drain_from:
+            # What was written after our last read is read from the rotated copy first.
+            try:
+                fd = os.open(generation_path(self.path, 1), os.O_RDONLY | os.O_CLOEXEC)
+                self._drain = (fd, done.drain_from, done.drain_to)
+            except OSError as e:
+                log.warning("cannot read rotated %s: %s", self.path.name, e)
+        self.offset -= done.removed
+        self.rotations += 1
+        if self.on_rotate is not None:
+            self.on_rotate(done.newlines)
+
     def read_available(self) -> None:
         """Read everything written so far and deliver the complete lines."""
         while self.read_chunk() == READ_CHUNK:
@@ -253,8 +314,21 @@ class LogFollower:
 
     def read_chunk(self) -> int:
         """Deliver the lines of one chunk; returns the bytes read (READ_CHUNK: more may wait)."""
-        if self._fd < 0:
+        if self._fd < 0 or self._rotation is not None:
             return 0
+        if self._drain is not None:
+            fd, pos, end = self._drain
+            chunk = os.pread(fd, min(READ_CHUNK, end - pos), pos)
+            pos += len(chunk)
+            if not chunk or pos >= end:
+                os.close(fd)
+                self._drain = None
+            else:
+                self._drain = (fd, pos, end)
+            if chunk:
+                self._deliver(chunk)
+                return READ_CHUNK  # more may wait (the rest of the copy, then the file)
+            return READ_CHUNK
         try:
             chunk = os.pread(self._fd, READ_CHUNK, self.offset)
         except OSError as err:
@@ -267,29 +341,48 @@ class LogFollower:
         return len(chunk)
 
     def _deliver(self, chunk: bytes) -> None:
+        limit = self.max_line_bytes
+        if self._skipping:
+            # The rest of a line already cut: dropped up to its newline.
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                return
+            self._skipping = False
+            chunk = chunk[nl + 1 :]
+            if not chunk:
+                return
         data = self._partial + chunk
         parts = data.split(b"\n")
         self._partial = parts.pop()
-        if len(self._partial) > MAX_LINE_BYTES:
-            parts.append(self._partial[:MAX_LINE_BYTES])
+        cut_partial = len(self._partial) > limit
+        if cut_partial:
+            # Delivered now, cut; what follows of it until its newline is dropped.
+            parts.append(self._partial)
             self._partial = b""
+            self._skipping = True
         if not parts:
             return
-        lines = [
-            (p[:MAX_LINE_BYTES] if len(p) > MAX_LINE_BYTES else p)
-            .decode("utf-8", "replace")
-            .rstrip("\r")
-            for p in parts
-        ]
+        lines = [self._decode(p, limit) for p in parts]
         if self.first_line_at is None:
             self.first_line_at = time.monotonic()
         self.lines_read += len(lines)
         self.on_lines(lines)
 
+    def _decode(self, raw: bytes, limit: int) -> str:
+        if len(raw) > limit:
+            # errors="ignore": a multi-byte character split by the cut is dropped, not mangled.
+            return raw[:limit].decode("utf-8", "ignore").rstrip("\r") + self._marker
+        return raw.decode("utf-8", "replace").rstrip("\r")
+
     async def stop(self, flush: bool = True) -> None:
         """Stop following; with `flush`, first deliver what is left (incl. a last partial line)."""
         self._stopped = True
         self._wake.set()
+        rotation = self._rotation
+        if rotation is not None:
+            # A rotation in flight finishes first: its thread truncates the file.
+            await asyncio.wait([rotation])
+            self._finish_rotation(rotation)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -300,13 +393,16 @@ class LogFollower:
             if self._partial:
                 rest, self._partial = self._partial, b""
                 self.lines_read += 1
-                self.on_lines([rest.decode("utf-8", "replace").rstrip("\r")])
+                self.on_lines([self._decode(rest, self.max_line_bytes)])
         if self.hub is not None:
             self.hub.unwatch(self._wd)
         self._wd = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._drain is not None:
+            os.close(self._drain[0])
+            self._drain = None
 
 
 # --- files -------------------------------------------------------------------------------------
@@ -343,10 +439,15 @@ def files_of(log_dir: Path, instance_id: str) -> list[Path]:
     return [p for _, p in sorted(found, key=lambda t: (t[0], t[1].name), reverse=True)]
 
 
-def tail_lines(path: Path, n: int) -> list[str]:
-    """The last `n` lines of a file, reading backwards in 64 KiB blocks (memory stays small)."""
+def tail_lines(path: Path, n: int, max_line_bytes: int | None = None) -> list[str]:
+    """The last `n` lines of a file, reading backwards in 64 KiB blocks.
+
+    With `max_line_bytes`, each line is cut there (with the marker) and no more than
+    n * (max_line_bytes + 1) bytes are ever read, however long the file's lines are.
+    """
     if n <= 0:
         return []
+    budget = None if max_line_bytes is None else n * (max_line_bytes + 1) + 1
     try:
         f = open(path, "rb")
     except OSError:
@@ -356,7 +457,11 @@ def tail_lines(path: Path, n: int) -> list[str]:
         end = f.tell()
         data = b""
         pos = end
+        cut_short = False
         while pos > 0 and data.count(b"\n") <= n:
+            if budget is not None and len(data) >= budget:
+                cut_short = True  # the first piece is the end of a longer line: not shown
+                break
             step = min(65536, pos)
             pos -= step
             f.seek(pos)
@@ -364,7 +469,18 @@ def tail_lines(path: Path, n: int) -> list[str]:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    return [ln.decode("utf-8", "replace").rstrip("\r") for ln in lines[-n:]]
+    if cut_short and lines:
+        lines.pop(0)
+    out = lines[-n:]
+    if max_line_bytes is None:
+        return [ln.decode("utf-8", "replace").rstrip("\r") for ln in out]
+    marker = cut_marker(max_line_bytes)
+    return [
+        ln[:max_line_bytes].decode("utf-8", "ignore").rstrip("\r") + marker
+        if len(ln) > max_line_bytes
+        else ln.decode("utf-8", "replace").rstrip("\r")
+        for ln in out
+    ]
 
 
 def count_lines(path: Path) -> tuple[int, int]:
@@ -406,6 +522,15 @@ def prune_log_files(log_dir: Path, retention_s: float, now: float | None = None)
             continue
         groups.setdefault(head, []).append((mtime, p))
     removed = 0
+    # Rotated generations (<file>.log.N) are older parts of a log: they go by age alone.
+    with contextlib.suppress(OSError):
+        for p in log_dir.iterdir():
+            name = p.name
+            if ".log." in name and name.rpartition(".")[2].isdigit():
+                with contextlib.suppress(OSError):
+                    if now - p.stat().st_mtime > retention_s:
+                        p.unlink()
+                        removed += 1
     for entries in groups.values():
         entries.sort(reverse=True)
         for mtime, p in entries[1:]:

@@ -335,6 +335,7 @@ class InstanceManager:
                 models_dir=self.settings.models_dir,
                 strict=True,
                 manifest_lookup=self.manifest_lookup,
+                roots=self.settings.model_root_dirs,
             )
         except ConfigError as err:
             raise InvalidInstanceConfig(
@@ -467,16 +468,20 @@ class InstanceManager:
     def supervisor(self, instance_id: str) -> Supervisor:
         return self._sup(instance_id)
 
-    def logs(self, instance_id: str) -> list[dict[str, Any]]:
-        """The in-memory buffer, else the tail of the newest log file (even after delete)."""
+    async def logs(self, instance_id: str, limit: int | None = None) -> list[dict[str, Any]]:
+        """The last `limit` lines (default: the whole buffer): the in-memory buffer, else the
+        tail of the newest log file (even after delete), read off the event loop."""
+        kept = self.settings.log_buffer_size
+        n = kept if limit is None else min(limit, kept)
         sup = self.supervisors.get(instance_id)
         if sup is not None and sup.ring.entries:
-            return [e.as_dict() for e in sup.ring.entries]
-        files = files_of(self.settings.log_dir, instance_id)
+            return [e.as_dict() for e in sup.ring.tail(n)]
+        files = await asyncio.to_thread(files_of, self.settings.log_dir, instance_id)
         if files:
             newest = files[0]
             ts = file_mtime_iso(newest)
-            lines = tail_lines(newest, self.settings.log_buffer_size)
+            cap = self.settings.log_line_max_bytes
+            lines = await asyncio.to_thread(tail_lines, newest, n, cap)
             return [{"seq": i, "timestamp": ts, "line": ln} for i, ln in enumerate(lines)]
         if sup is not None:
             return []

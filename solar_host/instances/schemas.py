@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -19,6 +19,7 @@ from solar_host.backends.huggingface_config import (
 from solar_host.backends.llamacpp_config import LlamaCppConfig
 from solar_host.backends.sglang_config import SglangConfig
 from solar_host.instances.states import InstanceStatus
+from solar_host.model_store import roots as model_roots
 from solar_host.model_store.sources import (
     SourceError,
     is_remote_source,
@@ -158,13 +159,20 @@ def parse_config(
     models_dir: Path,
     strict: bool = True,
     manifest_lookup: ManifestLookup | None = None,
+    roots: Sequence[Path] | None = None,
 ) -> Any:
     """Validate a config dict into a typed backend config, resolving model paths.
 
     `strict=False` is for loading config.json: a recorded model file that no longer resolves
     is kept as recorded (a missing file shows when the instance starts), never dropped.
+    Every path the final config names must lie inside one of `roots` (MODELS_DIR first, then
+    MODEL_ROOTS; default: MODELS_DIR alone), see model_store/roots.py. A record loaded with
+    `strict=False` is not refused for that: its start checks again and fails with the reason.
     Raises ConfigError with field paths.
     """
+    if roots is None:
+        roots = [models_dir]
+    check_roots = strict
     if not isinstance(raw, dict):
         raise _error((), "config must be a JSON object", "dict_type")
     raw = migrate_config(raw)
@@ -203,6 +211,9 @@ def parse_config(
         loc = (field,) if current else ("model_source",)
         raise _error(loc, str(err)) from None
 
+    if check_roots:
+        # Before patterns are globbed, so no directory outside the roots is even listed.
+        _check_roots(config, roots)
     if bt == "llamacpp":
         from solar_host.backends import files
 
@@ -211,7 +222,16 @@ def parse_config(
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
         except files.PatternError as err:
             raise _error((err.field,), str(err)) from None
+    if check_roots:
+        _check_roots(config, roots)
     return config
+
+
+def _check_roots(config: Any, roots: Sequence[Path]) -> None:
+    try:
+        model_roots.check_config(config, roots)
+    except model_roots.OutsideRoots as err:
+        raise _error(tuple(err.field.split(".", 1)), str(err)) from None
 
 
 def _llamacpp_base_dir(config: LlamaCppConfig, lookup: ManifestLookup | None) -> Path | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from datetime import UTC, datetime
@@ -20,6 +19,11 @@ from typing import TYPE_CHECKING, Any
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import process as procs
+from solar_host.instances.backend_env import (
+    backend_environment,
+    parse_passthrough,
+    write_private_files,
+)
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
@@ -27,6 +31,7 @@ from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
 from solar_host.logging_setup import instance_id_var
+from solar_host.model_store.roots import check_config as check_model_roots
 
 if TYPE_CHECKING:
     from solar_host.instances.manager import InstanceManager
@@ -196,6 +201,7 @@ class Supervisor:
             sglang_venv_path=settings.sglang_venv_path,
             sglang_prompt_cache_dir=settings.sglang_prompt_cache_dir,
             gpu_type=self.m.facts().gpu_type,
+            private_dir=settings.config_file.parent / "backend-keys",
         )
         self.set_status(
             S.STARTING,
@@ -210,6 +216,8 @@ class Supervisor:
             capabilities=backend.capabilities(config, settings.models_dir),
         )
         try:
+            # Again at start: a symlink inside a root may have been re-pointed since create.
+            check_model_roots(config, settings.model_root_dirs)
             hook = getattr(backend, "before_start", None)
             if hook is not None:
                 for w in hook(config, ctx) or ():
@@ -221,11 +229,9 @@ class Supervisor:
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
             log.warning("%s: %s", inst.config.alias, w)
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        for k in spec.env_remove:
-            env.pop(k, None)
-        env.update(spec.env)
+        env = backend_environment(
+            spec, passthrough=parse_passthrough(settings.backend_env_passthrough)
+        )
 
         if self.deleted:
             self.m.ports.release(port)
@@ -234,6 +240,7 @@ class Supervisor:
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
+            write_private_files(spec.private_files)
             proc = procs.spawn(spec.argv, env, log_path)
         except OSError as err:
             self.m.ports.release(port)
@@ -355,8 +362,25 @@ class Supervisor:
                 if any(ready_check.is_ready_line(line) for line in lines):
                     ready.set()
 
-        self.follower = LogFollower(path, on_lines, self.m.inotify, offset=offset)
+        settings = self.m.settings
+        self.follower = LogFollower(
+            path,
+            on_lines,
+            self.m.inotify,
+            offset=offset,
+            max_line_bytes=settings.log_line_max_bytes,
+            max_file_bytes=settings.log_file_max_bytes,
+            generations=settings.log_file_generations,
+            on_rotate=self._rotated,
+        )
         self.follower.start()
+
+    def _rotated(self, lines_moved: int) -> None:
+        """The log file was rotated: re-adoption counts lines from a higher base now."""
+        rec = self.stored.process
+        if rec is not None:
+            rec.seq_base += lines_moved
+            self.m.persist_soon()
 
     async def _stop_follower(self) -> None:
         if self.follower is not None:

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from solar_host.events import utc_now
 
@@ -104,7 +105,40 @@ def normalise_gpu(value: Any) -> GpuRequest | None:
     raise ValueError("gpu must be {count}, {device_ids}, an int, a list of ids or true")
 
 
+# Step fields that would widen what a job container may do on this machine: refused, with a
+# message saying so (the host sets the mounts, network, user and devices itself).
+PRIVILEGED_STEP_FIELDS = {
+    "privileged": "runs the container with every privilege of the host",
+    "volumes": "mounts host paths into the container",
+    "binds": "mounts host paths into the container",
+    "mounts": "mounts host paths into the container",
+    "volumes_from": "mounts another container's volumes",
+    "tmpfs": "adds mounts to the container",
+    "network_mode": "changes the container's network (JOB_NETWORK_MODE is the operator's)",
+    "network": "changes the container's network (JOB_NETWORK_MODE is the operator's)",
+    "pid_mode": "shares a process namespace (e.g. the host's)",
+    "ipc_mode": "shares an IPC namespace (e.g. the host's)",
+    "uts_mode": "shares the host's UTS namespace",
+    "userns_mode": "changes the container's user namespace",
+    "devices": "adds host devices beyond the GPU request",
+    "device_requests": "adds devices beyond the GPU request (use `gpu`)",
+    "device_cgroup_rules": "opens host devices to the container",
+    "cap_add": "adds Linux capabilities",
+    "security_opt": "changes the container's security profile",
+    "user": "changes the user the container runs as (CONTAINER_UID/GID are the operator's)",
+    "group_add": "adds groups to the container's user",
+    "sysctls": "changes kernel parameters",
+    "runtime": "changes the container runtime",
+    "cgroup_parent": "moves the container out of the host's cgroup",
+    "host_config": "sets Docker host options directly",
+}
+STEP_FIELD_ERROR = "step_field_refused"
+
+
 class StepDefinition(BaseModel):
+    """One step. Only these fields are implemented; any other is refused (a 422 naming it),
+    so a caller is never told 202 for a step the host would run differently."""
+
     model_config = ConfigDict(extra="ignore")
 
     name: str
@@ -113,6 +147,34 @@ class StepDefinition(BaseModel):
     environment: dict[str, str] = Field(default_factory=dict)
     gpu: GpuRequest | None = None
     is_preparation_step: bool = False
+    hf_cache_write: bool = Field(
+        default=False,
+        description="Mount the host's HF cache read-write (default read-only): for a step "
+        "that downloads models into the shared cache.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unimplemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        widening = [k for k in data if k in PRIVILEGED_STEP_FIELDS]
+        if widening:
+            reasons = "; ".join(f"'{k}' {PRIVILEGED_STEP_FIELDS[k]}" for k in widening)
+            raise PydanticCustomError(
+                STEP_FIELD_ERROR,
+                "refused: {fields} would widen the container's privileges ({reasons})",
+                {"fields": ", ".join(widening), "reasons": reasons},
+            )
+        unknown = [str(k) for k in data if k not in known]
+        if unknown:
+            raise PydanticCustomError(
+                STEP_FIELD_ERROR,
+                "not implemented by this host: {fields} (a step has {known})",
+                {"fields": ", ".join(unknown), "known": ", ".join(sorted(known))},
+            )
+        return data
 
     @field_validator("name")
     @classmethod

@@ -21,39 +21,63 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from solar_host.events import EventBus, StepLog, iso_now
+from solar_host.log_limits import RotatingWriter, cut_marker
 
 log = logging.getLogger(__name__)
 
 RECENT_LOGS = 100
-# A line longer than this is cut into pieces, so one endless line cannot exhaust memory.
-MAX_LINE_CHARS = 64 * 1024
+# Default cut of one line (LOG_LINE_MAX_BYTES), so one endless line cannot exhaust memory.
+MAX_LINE_CHARS = 16 * 1024
 
 
 class LineSplitter:
-    """Decode a byte stream incrementally and return the complete lines of each chunk."""
+    """Decode a byte stream incrementally and return the complete lines of each chunk.
 
-    def __init__(self) -> None:
+    A line longer than `max_chars` is cut there and ends with the cut marker; the rest of it,
+    up to its newline, is dropped.
+    """
+
+    def __init__(self, max_chars: int = MAX_LINE_CHARS) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = ""
+        self.max_chars = max_chars
+        self._marker = cut_marker(max_chars)
+        self._skipping = False
+
+    def _cut(self, line: str) -> str:
+        if line.endswith("\r"):
+            line = line[:-1]
+        return line[: self.max_chars] + self._marker if len(line) > self.max_chars else line
 
     def feed(self, data: bytes) -> list[str]:
-        text = self._partial + self._decoder.decode(data)
+        text = self._decoder.decode(data)
+        if self._skipping:
+            nl = text.find("\n")
+            if nl < 0:
+                return []
+            self._skipping = False
+            text = text[nl + 1 :]
+        text = self._partial + text
         parts = text.split("\n")
         self._partial = parts.pop()
-        lines = [p[:-1] if p.endswith("\r") else p for p in parts]
-        while len(self._partial) > MAX_LINE_CHARS:
-            lines.append(self._partial[:MAX_LINE_CHARS])
-            self._partial = self._partial[MAX_LINE_CHARS:]
+        lines = [self._cut(p) for p in parts]
+        if len(self._partial) > self.max_chars:
+            lines.append(self._cut(self._partial))
+            self._partial = ""
+            self._skipping = True
         return lines
 
     def flush(self) -> list[str]:
         """The held partial line at end of stream (if any)."""
         rest = self._partial + self._decoder.decode(b"", final=True)
         self._partial = ""
-        return [rest.rstrip("\r")] if rest else []
+        if self._skipping:
+            self._skipping = False
+            return []
+        return [self._cut(rest)] if rest else []
 
 
 class StepLogBuffer:
@@ -129,15 +153,20 @@ def pump_container_output(
     stream: Iterable[tuple[bytes | None, bytes | None]],
     log_path: Path,
     deliver: Callable[[str, list[str]], None],
+    *,
+    max_line_chars: int = MAX_LINE_CHARS,
+    max_file_bytes: int = 100 * 1024 * 1024,
+    generations: int = 3,
 ) -> None:
     """Read a demuxed Docker stream to its end (blocking; run in a worker thread).
 
     `deliver(stream_name, lines)` is called from this thread: it must hop to the loop itself.
     Errors of the stream end the pump quietly (the container's exit code tells the outcome).
+    The file is rotated at `max_file_bytes` (log_limits), lines are cut at `max_line_chars`.
     """
-    splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+    splitters = {"stdout": LineSplitter(max_line_chars), "stderr": LineSplitter(max_line_chars)}
     try:
-        log_file: BinaryIO | None = open(log_path, "ab")
+        log_file: RotatingWriter | None = RotatingWriter(log_path, max_file_bytes, generations)
     except OSError as err:
         log.warning("cannot open step log %s: %s", log_path, err)
         log_file = None
@@ -148,7 +177,6 @@ def pump_container_output(
         if log_file is not None:
             try:
                 log_file.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
-                log_file.flush()
             except OSError as err:
                 log.warning("cannot write step log %s: %s", log_path, err)
         deliver(name, lines)

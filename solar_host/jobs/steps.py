@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -140,7 +141,11 @@ def container_spec(
         str(root / "data"): {"bind": f"{WORKSPACE}/data", "mode": inputs},
         str(root / "output"): {"bind": f"{WORKSPACE}/output", "mode": "rw"},
         str(root / "config"): {"bind": f"{WORKSPACE}/config", "mode": "rw"},
-        str(default_hf_cache(settings).absolute()): {"bind": HF_HOME_IN_CONTAINER, "mode": "rw"},
+        # Read-only unless the step asks: one job must not rewrite the models others load.
+        str(default_hf_cache(settings).absolute()): {
+            "bind": HF_HOME_IN_CONTAINER,
+            "mode": "rw" if step.hf_cache_write else "ro",
+        },
     }
     return ContainerSpec(
         image=step.image,
@@ -222,7 +227,16 @@ class StepRunner:
             )
             log_path = step_log_path(self.settings.jobs_dir, job_id, step.name)
             pump = run_in_thread(
-                pump_container_output, stream, log_path, deliver, name=f"job-{job_id}-logs"
+                functools.partial(
+                    pump_container_output,
+                    max_line_chars=self.settings.log_line_max_bytes,
+                    max_file_bytes=self.settings.log_file_max_bytes,
+                    generations=self.settings.log_file_generations,
+                ),
+                stream,
+                log_path,
+                deliver,
+                name=f"job-{job_id}-logs",
             )
             await asyncio.to_thread(docker.start, container_id)
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started

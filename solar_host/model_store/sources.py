@@ -1,8 +1,9 @@
 """Model source URIs and the confinement of model paths to MODELS_DIR.
 
-`local://rel` and relative paths are confined to MODELS_DIR (ruling 12): anything that escapes
-it through `..` or a symlink is refused. An absolute path given directly as `model`,
-`model_id` or `model_path` is the operator's choice and is used as is.
+`local://rel` and relative paths of instance configs resolve against MODELS_DIR; absolute ones
+are kept as given. Whether the result lies in MODELS_DIR or MODEL_ROOTS (ruling 12) is
+model_store/roots.py's check, applied to the final config (a link from MODELS_DIR to another
+root is fine, one to anywhere else is not). `confine` guards paths of pulls and the store.
 """
 
 from __future__ import annotations
@@ -75,13 +76,17 @@ def confine(path: str | os.PathLike[str], root: Path, *, what: str = "path") -> 
 
 
 def resolve_local_uri(uri: str, models_dir: Path) -> Path:
-    """`local://rel` -> MODELS_DIR/rel; `local:///abs` must already lie inside MODELS_DIR."""
+    """`local://rel` -> MODELS_DIR/rel (confined); `local:///abs` as is (roots.py checks it)."""
     if not uri.startswith(LOCAL_PREFIX):
         raise SourceError(f"not a local:// URI: {uri}")
     rest = uri[len(LOCAL_PREFIX) :]
     if not rest:
         raise SourceError("local:// URI names no path")
-    return confine(rest, models_dir, what="model_source")
+    if "\x00" in rest:
+        raise SourceError("model_source must not contain NUL characters")
+    if Path(rest).is_absolute():
+        return Path(rest)
+    return _anchor(rest, models_dir)
 
 
 def resolve_model_path(value: str, models_dir: Path, *, hub_id_allowed: bool = False) -> str:
@@ -102,4 +107,9 @@ def resolve_model_path(value: str, models_dir: Path, *, hub_id_allowed: bool = F
     parts = Path(value).parts
     if hub_id_allowed and ".." not in parts and not (models_dir / value).exists():
         return value
-    return str(confine(value, models_dir, what="model path"))
+    return str(_anchor(value, models_dir))
+
+
+def _anchor(rel: str, models_dir: Path) -> Path:
+    """A relative config path as the real path it names under MODELS_DIR (links resolved)."""
+    return (models_dir.resolve() / rel).resolve()

@@ -1,0 +1,154 @@
+"""Bounds on what a log may cost: one line's length, one file's size, how many files.
+
+Whatever a backend or a job prints, the host keeps at most LOG_LINE_MAX_BYTES of a line (the
+rest is dropped, the line ends with CUT_MARKER), and a log file grows to about
+LOG_FILE_MAX_BYTES before it is rotated: its content moves to `<name>.1` (older generations
+shift to `.2`, ..., the oldest beyond LOG_FILE_GENERATIONS is removed).
+
+Backends write their log file themselves (an O_APPEND descriptor the host never sees again),
+so a rotation cannot rename the file: the backend would keep writing into the renamed one.
+Where the filesystem can (ext4, xfs), the part already read is copied to `<name>.1` and then
+cut from the front of the file with FALLOC_FL_COLLAPSE_RANGE: the kernel does that under the
+inode lock that appends take too, so not a byte the backend writes is lost. Elsewhere (tmpfs,
+overlay) the file is copied out and truncated in place: with O_APPEND every later write lands
+at the new end, but what the backend writes after the copy's last read and before the
+truncate is lost; the copy chases a writer that keeps writing (up to a bound) to keep that
+small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+_FALLOC_FL_COLLAPSE_RANGE = 0x08
+_libc: ctypes.CDLL | None = None
+
+CUT_MARKER = " [line cut: longer than {limit} bytes]"
+
+
+def cut_marker(limit: int) -> str:
+    return CUT_MARKER.format(limit=limit)
+
+
+def generation_path(path: Path, n: int) -> Path:
+    return path.with_name(f"{path.name}.{n}")
+
+
+def shift_generations(path: Path, keep: int) -> Path | None:
+    """Make room for a new `.1`: `.k` -> `.k+1`, the oldest dropped. None when keep is 0."""
+    with contextlib.suppress(OSError):
+        generation_path(path, keep).unlink()
+    if keep <= 0:
+        return None
+    for n in range(keep - 1, 0, -1):
+        with contextlib.suppress(OSError):
+            os.replace(generation_path(path, n), generation_path(path, n + 1))
+    return generation_path(path, 1)
+
+
+class Rotation(NamedTuple):
+    """What a rotation did: newlines moved out; how many bytes left the front of the file
+    (the reader's offset drops by that); bytes after the reader's offset that are only in
+    `<name>.1` now (copy-truncate), to be read from there: [drain_from, drain_to)."""
+
+    newlines: int
+    removed: int
+    drain_from: int = 0
+    drain_to: int = 0
+
+
+def _collapse(fd: int, length: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    rc = _libc.fallocate(
+        fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_longlong(0), ctypes.c_longlong(length)
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _copy_count(src: int, dst: int, start: int, end: int | None) -> tuple[int, int]:
+    """Copy [start, end) (end None: until EOF); returns (end reached, newlines)."""
+    pos, newlines = start, 0
+    while end is None or pos < end:
+        want = 1 << 20 if end is None else min(1 << 20, end - pos)
+        block = os.pread(src, want, pos)
+        if not block:
+            break
+        os.write(dst, block)
+        newlines += block.count(b"\n")
+        pos += len(block)
+    return pos, newlines
+
+
+def rotate_appended(path: Path, read_upto: int, keep: int, chase: int) -> Rotation:
+    """Rotate a file another process appends to into `<path>.1` (see the module doc)."""
+    target = shift_generations(path, max(1, keep))
+    assert target is not None
+    src = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        try:
+            size = os.fstat(src).st_size
+            block = os.fstat(src).st_blksize or 4096
+            # Collapse needs whole blocks and must leave at least one byte.
+            length = min(read_upto, size - 1) // block * block
+            if length > 0:
+                _, newlines = _copy_count(src, dst, 0, length)
+                try:
+                    _collapse(src, length)
+                    return Rotation(newlines, length)
+                except OSError as err:
+                    if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                os.lseek(dst, 0, os.SEEK_SET)
+                os.ftruncate(dst, 0)
+            # Copy until the file stops growing (or `chase` past what was read), then
+            # truncate at once: writes in between are the only ones that can be lost.
+            end, newlines = _copy_count(src, dst, 0, read_upto + chase)
+            os.ftruncate(src, 0)
+        finally:
+            os.close(dst)
+        return (
+            Rotation(newlines, read_upto, read_upto, end)
+            if end > read_upto
+            else Rotation(newlines, read_upto)
+        )
+    finally:
+        os.close(src)
+
+
+class RotatingWriter:
+    """A log file the host writes itself (job step logs), rotated by size."""
+
+    def __init__(self, path: Path, max_bytes: int, keep: int):
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._f = open(path, "ab")
+        self._size = self._f.tell()
+
+    def write(self, data: bytes) -> None:
+        if self._size and self._size + len(data) > self.max_bytes:
+            self._f.close()
+            target = shift_generations(self.path, self.keep)
+            if target is not None:
+                os.replace(self.path, target)
+            else:
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            self._f = open(self.path, "ab")
+            self._size = 0
+        self._f.write(data)
+        self._f.flush()
+        self._size += len(data)
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,126 @@
+"""Job specs say no (issue 17), against a real dockerd: step fields that would widen a
+container's privileges, and fields the host does not implement, are a 422 naming them (not a
+202 that silently drops them); the HF cache is mounted read-only unless a step asks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.docker import DockerDaemon
+from tests.test_api_jobs import (  # noqa: F401 (dockerd is a fixture)
+    Host,
+    docker_daemon,
+    dockerd,
+    finished,
+    job_body,
+    job_containers,
+    make_settings,
+    running,
+    sh,
+    wait_for,
+)
+
+WIDENING: list[dict[str, Any]] = [
+    {"privileged": True},
+    {"volumes": {"/": {"bind": "/host", "mode": "rw"}}},
+    {"binds": ["/etc:/host-etc"]},
+    {"mounts": [{"source": "/", "target": "/host"}]},
+    {"network_mode": "host"},
+    {"pid_mode": "host"},
+    {"ipc_mode": "host"},
+    {"devices": ["/dev/sda:/dev/sda"]},
+    {"cap_add": ["SYS_ADMIN"]},
+    {"security_opt": ["seccomp=unconfined"]},
+    {"user": "0:0"},
+    {"runtime": "runc"},
+]
+
+
+@pytest.mark.parametrize("extra", WIDENING, ids=lambda e: next(iter(e)))
+async def test_privilege_widening_fields_are_refused(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+    extra: dict[str, Any],
+) -> None:
+    host = Host(make_settings(tmp_path))
+    field = next(iter(extra))
+    async with running(host) as client:
+        body = job_body("w-1", sh("a", dockerd.image, "echo hi", **extra))
+        r = await client.post("/jobs", json=body)
+        assert r.status_code == 422, r.text
+        detail = r.json()["detail"]
+        assert f"{field}" in detail and "widen the container's privileges" in detail, detail
+        assert (await client.get("/jobs/w-1")).status_code == 404
+    assert job_containers(dockerd, "w-1") == []
+
+
+async def test_unimplemented_step_fields_are_named(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        step = sh("a", dockerd.image, "echo hi", timeout_s=5, restart_policy="always")
+        r = await client.post("/jobs", json=job_body("u-1", step))
+        assert r.status_code == 422, r.text
+        detail = r.json()["detail"]
+        assert "not implemented" in detail and "timeout_s" in detail and "restart_policy" in detail
+        # Job-level keys control sends stay accepted, and a clean step still runs.
+        r = await client.post("/jobs", json=job_body("u-2", sh("a", dockerd.image, "echo ok")))
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "u-2", finished)
+        assert body["status"] == "completed", body
+
+
+async def test_hf_cache_is_read_only_unless_a_step_asks(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    os.chmod(hf, 0o777)  # the container's user may write where the mount lets it
+    (hf / "shared-model.bin").write_bytes(b"weights")
+    host = Host(make_settings(tmp_path))
+    write = 'echo new > "$HF_HOME/written" && echo tamper > "$HF_HOME/shared-model.bin"'
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("ro-1", sh("a", dockerd.image, write)))
+        assert r.status_code == 202, r.text
+        ro = await wait_for(client, "ro-1", finished, within=60)
+        assert ro["status"] == "failed", ro
+        assert not (hf / "written").exists()
+        assert (hf / "shared-model.bin").read_bytes() == b"weights"
+        step = sh("a", dockerd.image, 'echo new > "$HF_HOME/written"', hf_cache_write=True)
+        r = await client.post("/jobs", json=job_body("rw-1", step))
+        assert r.status_code == 202, r.text
+        rw = await wait_for(client, "rw-1", finished, within=60)
+        assert rw["status"] == "completed", rw
+        assert (hf / "written").read_text() == "new\n"
+
+
+async def test_step_logs_are_bounded(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A step printing ~40 MB and one 200 KB line: rotated files, the line cut with a marker."""
+    mib = 1024 * 1024
+    host = Host(make_settings(tmp_path, log_file_max_bytes=4 * mib, log_file_generations=2))
+    script = (
+        "yes 'a fairly ordinary line of job output, repeated' | head -c 40000000; "
+        "yes x | head -c 400000 | tr -d '\\n'; echo; echo LAST"
+    )
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("big-1", sh("a", dockerd.image, script)))
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "big-1", finished, within=180)
+        assert body["status"] == "completed", body
+    logs = sorted((tmp_path / "jobs" / "big-1" / "logs").iterdir())
+    assert [p.name for p in logs] == ["a.log", "a.log.1", "a.log.2"], logs
+    assert all(p.stat().st_size <= 4 * mib for p in logs)
+    text = (tmp_path / "jobs" / "big-1" / "logs" / "a.log").read_text()
+    cut = [ln for ln in text.splitlines() if "xxxx" in ln]
+    assert len(cut) == 1 and cut[0].endswith(" [line cut: longer than 16384 bytes]")
+    assert text.endswith("LAST\n")

@@ -1,0 +1,299 @@
+"""Files stay inside the model roots (ruling 12, issue 17): every path-like field of every
+backend type, given as an absolute path, a `..` path or a symlink out of MODELS_DIR, is a 422
+naming the field and the roots, at create and update; a symlink re-pointed after create fails
+the start before anything is spawned; MODEL_ROOTS directories are accepted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from solar_host.backends.base import LaunchContext
+from solar_host.backends.registry import BackendRegistry
+from solar_host.instances.schemas import parse_config
+from solar_host.model_store.roots import check_config, confine
+from tests.fixtures.gguf import llama_server_binary, write_tiny_gguf
+from tests.fixtures.host import host_settings, running_host
+
+BACKENDS = (
+    "llamacpp",
+    "huggingface_causal",
+    "huggingface_classification",
+    "huggingface_embedding",
+    "huggingface_vision",
+    "sglang",
+)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    """models/ (with a good model and links out), a second root disk2/, and outside/ bait."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.gguf").write_bytes(b"GGUF secret outside")
+    (outside / "shadow").write_text("root:$6$hash:19000:0:99999:7:::\n")
+    (outside / "hfdir").mkdir()
+    (outside / "hfdir" / "config.json").write_text('{"model_type": "llama"}')
+    models = tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    write_tiny_gguf(models / "m" / "model.gguf")
+    (models / "m" / "template.jinja").write_text("{{ messages }}")
+    (models / "hf").mkdir()
+    (models / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    (models / "out.gguf").symlink_to(outside / "secret.gguf")
+    (models / "out.jinja").symlink_to(outside / "shadow")
+    (models / "outdir").symlink_to(outside / "hfdir", target_is_directory=True)
+    disk2 = tmp_path / "disk2"
+    disk2.mkdir()
+    write_tiny_gguf(disk2 / "other.gguf")
+    (disk2 / "hf2").mkdir()
+    (disk2 / "hf2" / "config.json").write_text('{"model_type": "llama"}')
+    return {"root": tmp_path, "models": models, "outside": outside, "disk2": disk2}
+
+
+def bad_paths(t: dict[str, Path], kind: str) -> list[str]:
+    """Ways to name `outside` bait of `kind` (file|dir): absolute, `..`, symlinks, /etc."""
+    if kind == "file":
+        return [
+            str(t["outside"] / "secret.gguf"),
+            "../outside/secret.gguf",
+            "m/../../outside/secret.gguf",
+            "out.gguf",
+            str(t["models"] / "out.gguf"),
+            str(t["models"] / "m" / ".." / ".." / "outside" / "shadow"),
+            "/etc/passwd",
+            "/etc/shadow",
+        ]
+    return [
+        str(t["outside"] / "hfdir"),
+        "../outside/hfdir",
+        "hf/../../outside/hfdir",
+        "outdir",
+        str(t["models"] / "outdir"),
+        "/etc",
+    ]
+
+
+def base_config(t: dict[str, Path], bt: str) -> dict[str, Any]:
+    if bt == "llamacpp":
+        return {"backend_type": bt, "alias": "a", "model": str(t["models"] / "m" / "model.gguf")}
+    if bt == "sglang":
+        return {"backend_type": bt, "alias": "a", "model_path": str(t["models"] / "hf")}
+    return {"backend_type": bt, "alias": "a", "model_id": str(t["models"] / "hf")}
+
+
+def cases(t: dict[str, Path]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(backend_type, field named in the error, config) for every path-like field."""
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for bad in bad_paths(t, "file"):
+        base = base_config(t, "llamacpp")
+        out.append(("llamacpp", "model", {**base, "model": bad}))
+        out.append(("llamacpp", "mmproj", {**base, "mmproj": bad}))
+        out.append(("llamacpp", "chat_template_file", {**base, "chat_template_file": bad}))
+        dspark = {"spec_type": "draft-dspark", "spec_draft_model": bad}
+        out.append(("llamacpp", "spec_draft_model", {**base, **dspark}))
+        if not bad.startswith("/"):
+            out.append(
+                (
+                    "llamacpp",
+                    "model_source",
+                    {**base, "model": None, "model_source": f"local://{bad}"},
+                )
+            )
+        else:
+            out.append(("llamacpp", "model_file", {**base, "model_file": bad}))
+            out.append(
+                (
+                    "llamacpp",
+                    "model_source",
+                    {"backend_type": "llamacpp", "alias": "a", "model_source": f"local://{bad}"},
+                )
+            )
+    for bad in bad_paths(t, "dir"):
+        for bt in BACKENDS[1:]:
+            field = "model_path" if bt == "sglang" else "model_id"
+            base = base_config(t, bt)
+            out.append((bt, field, {**base, field: bad}))
+            source = f"local://{bad}"
+            out.append(
+                (bt, "model_source", {"backend_type": bt, "alias": "a", "model_source": source})
+            )
+        sg = base_config(t, "sglang")
+        if not (bad.startswith("/") or ".." in bad):
+            continue  # a bare word in extra_args is relative to the backend's cwd, not models/
+        out.append(("sglang", "extra_args", {**sg, "extra_args": ["--tokenizer-path", bad]}))
+        out.append(("sglang", "extra_args", {**sg, "extra_args": [f"--chat-template={bad}"]}))
+        out.append(("sglang", "extra_env", {**sg, "extra_env": {"SOME_DIR": bad}}))
+    return out  # fmt: skip
+
+
+def test_every_path_field_of_every_backend_is_confined(tree: dict[str, Path]) -> None:
+    roots = [tree["models"], tree["disk2"]]
+    seen: set[tuple[str, str]] = set()
+    for bt, field, cfg in cases(tree):
+        with pytest.raises(ValueError) as err:
+            parse_config(cfg, models_dir=tree["models"], roots=roots)
+        text = str(err.value)
+        assert field in text, (bt, field, cfg, text)
+        assert str(tree["disk2"]) in text or "outside of MODELS_DIR" in text, text
+        assert "root:$6$" not in text and "GGUF secret" not in text
+        seen.add((bt, field))
+    fields = {f for _, f in seen}
+    assert {
+        "model",
+        "model_file",
+        "mmproj",
+        "spec_draft_model",
+        "chat_template_file",
+        "model_source",
+        "model_id",
+        "model_path",
+        "extra_args",
+        "extra_env",
+    } <= fields
+    assert {bt for bt, _ in seen} == set(BACKENDS)  # fmt: skip
+
+
+def test_inside_and_other_roots_are_accepted(tree: dict[str, Path]) -> None:
+    models, disk2 = tree["models"], tree["disk2"]
+    roots = [models, disk2]
+    (models / "to-disk2.gguf").symlink_to(disk2 / "other.gguf")
+    good = [
+        {"backend_type": "llamacpp", "alias": "a", "model": "m/model.gguf",
+         "chat_template_file": "m/template.jinja"},
+        {"backend_type": "llamacpp", "alias": "a", "model": str(disk2 / "other.gguf")},
+        {"backend_type": "llamacpp", "alias": "a", "model": "to-disk2.gguf"},
+        {"backend_type": "llamacpp", "alias": "a", "model_source": f"local://{disk2}/other.gguf"},
+        {"backend_type": "huggingface_causal", "alias": "a", "model_id": "org/some-model"},
+        {"backend_type": "huggingface_causal", "alias": "a", "model_id": str(disk2 / "hf2")},
+        {"backend_type": "sglang", "alias": "a", "model_path": "hf",
+         "extra_args": ["--tp", "2", f"--tokenizer-path={models / 'hf'}"]},
+    ]  # fmt: skip
+    for cfg in good:
+        config = parse_config(cfg, models_dir=models, roots=roots)
+        check_config(config, roots)
+    # A relative chat template is kept as sent, and the backend opens the checked file.
+    config = parse_config(good[0], models_dir=models, roots=roots)
+    assert config.chat_template_file == "m/template.jinja"
+    ctx = LaunchContext(instance_id="i", port=1, host_api_key="k", models_dir=models)
+    argv = BackendRegistry.default().for_type("llamacpp").launch(config, ctx).argv
+    assert argv[argv.index("--chat-template-file") + 1] == str(models / "m" / "template.jinja")
+    # Without MODEL_ROOTS the second disk is outside.
+    with pytest.raises(ValueError, match="model"):
+        parse_config(good[1], models_dir=models, roots=[models])
+
+
+def test_confine_resolves_symlinked_roots(tmp_path: Path) -> None:
+    """A root that is itself a symlink still contains what is under it."""
+    real = tmp_path / "real"
+    (real / "x").mkdir(parents=True)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    assert confine(str(link / "x"), [link], "model") == (real / "x").resolve()
+    assert confine("x", [link], "model") == (real / "x").resolve()
+    with pytest.raises(ValueError, match="model_path"):
+        confine(str(link / ".." / "elsewhere"), [link], "model_path")
+
+
+async def test_create_and_update_refuse_paths_outside_the_roots(tree: dict[str, Path]) -> None:
+    settings = host_settings(tree["root"], model_roots=str(tree["disk2"]))
+    async with running_host(settings, backends=BackendRegistry.default()) as h:
+        c = h.client
+        attack = {**base_config(tree, "llamacpp"), "chat_template_file": "/etc/shadow"}
+        r = await c.post("/instances", json={"config": attack})
+        assert r.status_code == 422, r.text
+        assert "chat_template_file" in r.text and str(tree["disk2"]) in r.text
+        r = await c.post(
+            "/instances",
+            json={"config": {**attack, "model": "/etc/passwd", "chat_template_file": None}},
+        )
+        assert r.status_code == 422 and "model" in r.text, r.text
+        r = await c.post("/instances", json={"config": base_config(tree, "llamacpp")})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        for field, bad in (
+            ("mmproj", "../outside/secret.gguf"),
+            ("model", "out.gguf"),
+            ("chat_template_file", str(tree["outside"] / "shadow")),
+        ):
+            cfg = {**base_config(tree, "llamacpp"), field: bad}
+            r = await c.put(f"/instances/{iid}", json={"config": cfg})
+            assert r.status_code == 422, (field, r.text)
+            assert field in r.text
+        # Nothing changed, and a model on the second root is fine.
+        r = await c.put(
+            f"/instances/{iid}",
+            json={
+                "config": {
+                    **base_config(tree, "llamacpp"),
+                    "model": str(tree["disk2"] / "other.gguf"),
+                }
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["instance"]["config"]["model"] == str(tree["disk2"] / "other.gguf")
+        listing = (await c.get("/instances")).json()
+        assert len(listing) == 1
+        assert listing[0]["config"].get("chat_template_file") is None
+
+
+async def test_start_checks_again_and_spawns_nothing(tree: dict[str, Path]) -> None:
+    """A symlink inside MODELS_DIR that is re-pointed out after create fails the start."""
+    models = tree["models"]
+    link = models / "current.gguf"
+    link.symlink_to(models / "m" / "model.gguf")
+    settings = host_settings(tree["root"], llama_server_bin=llama_server_binary())
+    async with running_host(settings, backends=BackendRegistry.default()) as h:
+        c = h.client
+        cfg = {"backend_type": "llamacpp", "alias": "t", "model": str(link), "ctx_size": 256}
+        r = await c.post("/instances", json={"config": cfg})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        link.unlink()
+        link.symlink_to(tree["outside"] / "secret.gguf")
+        r = await c.post(f"/instances/{iid}/start")
+        assert r.status_code >= 400, r.text
+        assert "outside the allowed model roots" in r.text and "model" in r.text
+        assert "GGUF secret" not in r.text
+        inst = (await c.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "failed" and inst["pid"] is None
+        assert "outside the allowed model roots" in inst["error_message"]
+        # Nothing was spawned: no log file was even opened for it.
+        assert not list((tree["root"] / "logs").glob(f"*{iid}*"))
+
+
+async def test_a_non_gguf_model_never_echoes_its_bytes(tree: dict[str, Path]) -> None:
+    """model: a text file (inside the roots): the start error says what is wrong, quoting
+    nothing of the file (llama-server would print its first bytes)."""
+    models = tree["models"]
+    (models / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    settings = host_settings(tree["root"], llama_server_bin=llama_server_binary())
+    async with running_host(settings, backends=BackendRegistry.default()) as h:
+        c = h.client
+        cfg = {"backend_type": "llamacpp", "alias": "t", "model": "passwd", "ctx_size": 256}
+        r = await c.post("/instances", json={"config": cfg})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        r = await c.post(f"/instances/{iid}/start")
+        assert r.status_code >= 400
+        assert "not a GGUF file" in r.text, r.text
+        assert "root:" not in r.text and "'root'" not in r.text
+        logs = (await c.get(f"/instances/{iid}/logs")).text
+        assert "root:" not in logs
+
+
+def test_symlink_loop_is_refused_not_hung(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    os.symlink("loop2", models / "loop1")
+    os.symlink("loop1", models / "loop2")
+    cfg = {"backend_type": "sglang", "alias": "a", "model_path": str(models / "loop1")}
+    # Either refused or resolved inside: never a path outside, never a hang.
+    try:
+        config = parse_config(cfg, models_dir=models, roots=[models])
+    except ValueError:
+        return
+    assert str(config.model_path).startswith(str(models.resolve()))
