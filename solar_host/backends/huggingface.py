@@ -81,6 +81,17 @@ def model_dir_of(config: BackendConfigBase, models_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _when(value: str | None) -> datetime | None:
+    """An ISO-8601 time from a marker line (timezone-aware), or None."""
+    if not value:
+        return None
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
+
+
 class HFLogParser:
     """Runtime state and finished-generation metrics from hf_server's log markers."""
 
@@ -133,6 +144,13 @@ class HFLogParser:
                 return None
 
         prompt, completion, ms = num("prompt_tokens"), num("completion_tokens"), num("time_ms")
+        # The server's own times when the line carries them: the record is then the request's,
+        # not the moment the host happened to read the line (which may be after the next
+        # request began).
+        own_end, own_start = _when(kv.get("finished_at")), _when(kv.get("started_at"))
+        if own_end is not None:
+            now = own_end
+            started = own_start or (now - timedelta(milliseconds=ms) if ms is not None else None)
         if started is None and ms is not None:
             started = now - timedelta(milliseconds=ms)
         tps = mspt = None

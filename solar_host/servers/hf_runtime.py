@@ -1,4 +1,4 @@
-"""Model loading and the model work of hf_server (torch lives here, and only here).
+"""Model loading and the model work of hf_server (torch lives here and in hf_decode only).
 
 Every public method of an engine is blocking and runs in the server's single worker thread:
 the event loop never waits on torch. Batch methods take several requests at once and return
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from solar_host.servers.hf_decode import GenResult
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
 
 
@@ -318,14 +319,6 @@ class ClassifierEngine(TextEncoderBase):
             tokens = sum(len(ids[s + k]) for k in range(len(r.texts)))
             out.append((probs[s : s + len(r.texts)], tokens))  # type: ignore[index]
         return out
-
-
-@dataclass
-class GenResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
 
 
 class _Watch:
