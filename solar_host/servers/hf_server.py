@@ -146,9 +146,18 @@ class GenRun:
         self._result = result
         self._q.put_nowait(self._END)
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self) -> AsyncIterator[list[str]]:
+        """The pieces, several at a time when several are waiting (when the client or the
+        loop is slower than decoding, one write carries them all)."""
         while (item := await self._q.get()) is not self._END:
-            yield item
+            batch = [item]
+            while not self._q.empty():
+                nxt = self._q.get_nowait()
+                if nxt is self._END:
+                    self._q.put_nowait(nxt)
+                    break
+                batch.append(nxt)
+            yield batch
         self._q.put_nowait(self._END)  # result() may still be awaited
 
     async def result(self) -> Any:
@@ -488,6 +497,14 @@ class HFServer:
             body["choices"] = [choice]
             return b"data: " + dumps({**body, **extra}) + b"\n\n"
 
+        # Text events differ only in the piece: one template, split around a marker, instead
+        # of building and encoding the whole object for every token of every stream.
+        marker = "\u0000piece\u0000"
+        head_b, _, tail_b = chunk(marker, None).partition(dumps(marker))
+
+        def text_events(pieces: list[str]) -> bytes:
+            return b"".join(head_b + dumps(p) + tail_b for p in pieces)
+
         done = False
         run = self._start(inputs, params, True, cancel)
         try:
@@ -497,8 +514,8 @@ class HFServer:
                     head = {"id": oid, "object": obj, "created": created, "model": self.alias}
                     head["choices"] = [{"index": 0, "delta": first, "finish_reason": None}]
                     yield b"data: " + dumps({**head, **extra}) + b"\n\n"
-                async for piece in run.pieces():
-                    yield chunk(piece, None)
+                async for pieces in run.pieces():
+                    yield text_events(pieces)
                 res = await run.result()
             finally:
                 self.generating -= 1
