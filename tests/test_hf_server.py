@@ -513,8 +513,8 @@ def test_vision_accepts_data_uris_and_refuses_remote_urls() -> None:
             }
         ]
     }
-    msgs, images = vision_messages(body)
-    assert images == [b"\x89PNG fake"]
+    msgs, urls = vision_messages(body)
+    assert [decode_data_uri(u) for u in urls] == [b"\x89PNG fake"]
     assert msgs[0]["content"] == [{"type": "text", "text": "what is this?"}, {"type": "image"}]
     for url in ("http://169.254.169.254/latest", "https://example.com/a.png", "file:///etc/passwd"):
         with pytest.raises(APIError) as ei:

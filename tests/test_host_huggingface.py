@@ -454,18 +454,32 @@ async def test_subprocess_host_serves_hf_without_importing_torch(hosts: HFHosts)
 # --- stop -----------------------------------------------------------------------------------------
 
 
-async def test_stop_ends_every_backend(hosts: HFHosts) -> None:
-    """Runs last in this module: stops the three instances through the API."""
-    pids = []
-    for name in ("causal", "cls", "emb"):
-        inst = running(hosts, name)
-        pids.append(inst["pid"])
-        r = await hosts.started[name].client.post(f"/instances/{inst['id']}/stop")
-        assert r.status_code == 200, r.text
-        assert r.json()["instance"]["status"] == "stopped"
-        assert r.json()["instance"]["pid"] is None
-    for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-    for name in ("causal", "cls", "emb"):
-        s = hosts.started[name]
-        assert (await s.client.get(f"/instances/{s.id}")).json()["status"] == "stopped"
+async def test_stop_ends_every_backend(hosts: HFHosts, tiny_hf_models: TinyHFModels) -> None:  # noqa: F811
+    """Stops instances of its own (one per host), so that no other test depends on running
+    before it: the module's shared instances stay up whatever the order."""
+    sub = httpx.AsyncClient(base_url=hosts.sub_url, headers={"X-API-Key": API_KEY}, timeout=30)
+    async with sub:
+        mine = await asyncio.gather(
+            create_and_start(
+                hosts.client,
+                hf_config("huggingface_classification", tiny_hf_models.classifier, "stop-cls"),
+            ),
+            create_and_start(
+                sub, hf_config("huggingface_embedding", tiny_hf_models.encoder, "stop-emb")
+            ),
+        )
+        pids = []
+        for s in mine:
+            assert s.response.status_code == 200, (s.response.text, tail_of(hosts.sub_log))
+            inst = s.response.json()["instance"]
+            assert inst["status"] == "running" and psutil.pid_exists(inst["pid"])
+            pids.append(inst["pid"])
+            r = await s.client.post(f"/instances/{s.id}/stop")
+            assert r.status_code == 200, r.text
+            assert r.json()["instance"]["status"] == "stopped"
+            assert r.json()["instance"]["pid"] is None
+        for pid in pids:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        for s in mine:
+            assert (await s.client.get(f"/instances/{s.id}")).json()["status"] == "stopped"
+            await s.client.delete(f"/instances/{s.id}")

@@ -228,6 +228,11 @@ class HuggingFaceBackend:
             argv += ["--labels-json", json.dumps(list(labels), ensure_ascii=False)]
         if getattr(config, "normalize_embeddings", False):
             argv.append("--normalize-embeddings")
+        if config.backend_type == "huggingface_vision":
+            if getattr(config, "allow_image_urls", False):
+                argv.append("--allow-image-urls")
+            argv += ["--max-images", str(getattr(config, "max_images", 8))]
+            argv += ["--max-image-bytes", str(getattr(config, "max_image_bytes", 10485760))]
         keys = [k for k in (ctx.host_api_key, config.api_key) if k]
         if any("," in k for k in keys):
             raise LaunchError("API keys for the HuggingFace server must not contain commas")

@@ -172,6 +172,7 @@ class DecodeScheduler:
                     new = [r for r in new if not r.cancel.is_set()]
                     if new:
                         self._admit(new)
+                        self._flush()  # first tokens go out now, not after the next step
                     if self._rows:
                         self._step()
             except Exception as err:  # e.g. out of memory: every row of the batch fails

@@ -45,6 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from solar_host.servers.hf_batcher import DynamicBatcher
+from solar_host.servers.hf_images import ImageLoader, ImagePolicy
 from solar_host.servers.hf_protocol import (
     APIError,
     dumps,
@@ -67,6 +68,7 @@ CAPABILITIES = {
     "vision": ["completion", "multimodal"],
 }
 JSON = "application/json"
+MIN_BODY_LIMIT = 8 * 1024 * 1024
 
 
 def log_line(text: str) -> None:
@@ -191,6 +193,21 @@ class HFServer:
             self.batcher = DynamicBatcher(
                 engine.classify_batch, self.worker, args.max_batch_size, args.batch_window_ms / 1000
             )
+        self.images = ImageLoader(
+            ImagePolicy(
+                allow_urls=getattr(args, "allow_image_urls", False),
+                max_images=getattr(args, "max_images", 8),
+                max_bytes=getattr(args, "max_image_bytes", 10 * 1024 * 1024),
+            )
+        )
+        # The largest body read: room for every allowed image as base64, plus the text.
+        self.max_body = (
+            max(
+                MIN_BODY_LIMIT,
+                self.images.policy.max_images * self.images.policy.max_bytes * 4 // 3,
+            )
+            + MIN_BODY_LIMIT
+        )
         # Causal models decode in the step-level scheduler (hf_decode), started in lifespan.
         self.decoder: Any = None
         self._ids = itertools.count(1)
@@ -273,6 +290,25 @@ class HFServer:
         msg = message.replace("\n", " ")[:300]
         self.log.line(f"[ERROR] id={rid} endpoint={endpoint} status={status} message={msg}")
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 past max_body (before it is all in memory)."""
+        declared = request.headers.get("content-length", "")
+        too_big = APIError(
+            413,
+            f"Request body is larger than this server's limit of {self.max_body} bytes",
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            parts.append(chunk)
+        return b"".join(parts)
+
     def require(self, *types: str, what: str) -> None:
         if self.model_type not in types:
             raise APIError(
@@ -308,7 +344,7 @@ class HFServer:
             )
         rid, t0 = self.begin(endpoint)
         try:
-            body = parse_body(await request.body())
+            body = parse_body(await self.read_body(request))
             return await handler(body, rid, t0)
         except APIError as err:
             self.fail(rid, endpoint, err.status, err.message)
@@ -367,7 +403,8 @@ class HFServer:
         self.require("causal", "vision", what="/v1/chat/completions")
         params = parse_gen_params(body)
         if self.model_type == "vision":
-            messages, images = vision_messages(body)
+            messages, urls = vision_messages(body, self.images.policy.max_images)
+            images = await self.images.load(urls)
             loop = asyncio.get_running_loop()
             inputs: Any = await loop.run_in_executor(
                 self.worker, self.engine.vision_inputs, messages, images
@@ -695,7 +732,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (0: OMP_NUM_THREADS if set, else measured per batch "
         "between all CPUs and all but one)",
     )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="vision: fetch http(s) image URLs (public addresses only); off: data: URIs only",
+    )
+    p.add_argument("--max-images", type=int, default=8, help="vision: images per request")
+    p.add_argument(
+        "--max-image-bytes", type=int, default=10 * 1024 * 1024, help="vision: bytes per image"
+    )
     args = p.parse_args(argv)
+    if args.max_images < 1 or args.max_image_bytes < 1:
+        p.error("--max-images and --max-image-bytes must be >= 1")
     if args.labels_json is not None:
         try:
             labels = json.loads(args.labels_json)
