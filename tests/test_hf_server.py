@@ -513,8 +513,8 @@ def test_vision_accepts_data_uris_and_refuses_remote_urls() -> None:
             }
         ]
     }
-    msgs, images = vision_messages(body)
-    assert images == [b"\x89PNG fake"]
+    msgs, urls = vision_messages(body)
+    assert [decode_data_uri(u) for u in urls] == [b"\x89PNG fake"]
     assert msgs[0]["content"] == [{"type": "text", "text": "what is this?"}, {"type": "image"}]
     for url in ("http://169.254.169.254/latest", "https://example.com/a.png", "file:///etc/passwd"):
         with pytest.raises(APIError) as ei:
@@ -657,3 +657,148 @@ def test_server_reports_its_thread_choice(servers) -> None:
     assert sorted(int(t) for t in threads["us_per_token"]) == expected
     assert threads["threads"] in expected
     assert f"torch threads: {'/'.join(map(str, expected))}" in s.log_text()
+
+
+# --- concurrent generation (step-level batching) ---------------------------------------------
+
+
+async def _stream_events(c: httpx.AsyncClient, path: str, body: dict) -> list:
+    events: list = []
+    async with c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _streamed_text(events: list) -> str:
+    out = []
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            out.append(ch.get("text") or ch.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+GEN_CASES = [
+    {"prompt": "the cat sat", "max_tokens": 9},
+    {"prompt": "a man is eating a piece of", "max_tokens": 17},
+    {"prompt": "hello", "max_tokens": 4},
+    {"prompt": "the quick brown fox jumps over the lazy dog and", "max_tokens": 12},
+    {"prompt": "solar host serves", "max_tokens": 21},
+    {"prompt": "x", "max_tokens": 6},
+]
+
+
+async def test_concurrent_greedy_streams_match_one_at_a_time(causal: Server) -> None:
+    async with httpx.AsyncClient(base_url=causal.url, headers=AUTH, timeout=120) as c:
+        alone = []
+        for case in GEN_CASES:  # one at a time: each is a batch of one
+            r = await c.post("/v1/completions", json={**case, "temperature": 0})
+            assert r.status_code == 200, r.text
+            alone.append(r.json())
+        # A stop sequence taken from the reference text of the longest case.
+        ref4 = alone[4]["choices"][0]["text"]
+        stop = ref4[6:9]
+        stop_case = {**GEN_CASES[4], "stop": [stop]}
+        before = (await c.get("/v1/stats")).json()["decoding"]
+        bodies = [
+            {**case, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            for case in [*GEN_CASES, stop_case]
+        ]
+        together = await asyncio.gather(*(_stream_events(c, "/v1/completions", b) for b in bodies))
+        after = (await c.get("/v1/stats")).json()["decoding"]
+    for ref, events in zip(alone, together, strict=False):
+        assert events[-1] == "[DONE]"
+        assert _streamed_text(events) == ref["choices"][0]["text"]
+        assert events[-2]["usage"] == ref["usage"]  # exact per request, whatever ran beside
+        finish = [ch["finish_reason"] for e in events[:-1] for ch in e["choices"]]
+        assert finish[-1] == ref["choices"][0]["finish_reason"] == "length"
+    stopped = together[-1]
+    assert _streamed_text(stopped) == ref4[: ref4.find(stop)]
+    assert [ch["finish_reason"] for ch in stopped[-2 - 1]["choices"]] == ["stop"]
+    assert stopped[-2]["usage"]["completion_tokens"] < GEN_CASES[4]["max_tokens"]
+    assert after["admitted"] - before["admitted"] == len(bodies)
+    assert after["max_rows"] > 1  # they really shared decode steps
+    assert after["steps"] - before["steps"] < sum(b["max_tokens"] for b in bodies)
+
+
+async def test_a_new_request_joins_a_running_long_generation(causal: Server) -> None:
+    long = {"prompt": "the", "max_tokens": 400, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(base_url=causal.url, headers=AUTH, timeout=120) as c:
+        async with c.stream("POST", "/v1/completions", json=long) as r:
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the long one is generating
+            t0 = time.monotonic()
+            short = await c.post(
+                "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0}
+            )
+            short_s = time.monotonic() - t0
+            assert short.status_code == 200 and short.json()["usage"]["completion_tokens"] == 3
+            # The long generation had not ended when the short one was answered.
+            stats = (await c.get("/v1/stats")).json()
+            assert stats["generating"] == 1, stats
+            rest = [line async for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+    assert short_s < 30, short_s
+
+
+async def test_cancelled_stream_frees_its_row(causal: Server) -> None:
+    body = {"prompt": "the cat", "max_tokens": 1500, "temperature": 0, "stream": True}
+    async with httpx.AsyncClient(base_url=causal.url, headers=AUTH, timeout=120) as c:
+        before = (await c.get("/v1/stats")).json()["decoding"]
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            n = 0
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ")
+                if n >= 3:
+                    break  # leave mid-stream: the response is closed here
+        deadline = time.monotonic() + 30
+        while True:
+            stats = (await c.get("/v1/stats")).json()
+            if stats["decoding"]["cancelled"] > before["cancelled"] and stats["generating"] == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.05)
+        assert stats["decoding"]["rows"] == 0 and stats["decoding"]["waiting"] == 0
+        ok = await c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert "status=499" in causal.log_text()
+
+
+async def test_sampling_params_are_per_request_in_a_shared_batch(causal: Server) -> None:
+    greedy = {"prompt": "a man is", "max_tokens": 12, "temperature": 0}
+    seeded = {"prompt": "a man is", "max_tokens": 12, "temperature": 1.5, "seed": 7}
+    async with httpx.AsyncClient(base_url=causal.url, headers=AUTH, timeout=120) as c:
+        ref = (await c.post("/v1/completions", json=greedy)).json()["choices"][0]["text"]
+        rs = await asyncio.gather(
+            c.post("/v1/completions", json=greedy),
+            c.post("/v1/completions", json=seeded),
+            c.post("/v1/completions", json=seeded),
+            c.post("/v1/completions", json={**seeded, "seed": 8}),
+            c.post("/v1/completions", json={**seeded, "top_p": 0.000001}),
+        )
+    texts = [r.json()["choices"][0]["text"] for r in rs]
+    assert texts[0] == ref  # greedy beside sampled rows is still greedy
+    assert texts[1] == texts[2]  # a seed means the same sample whatever runs beside it
+    assert texts[3] != texts[1]
+    assert texts[4] == ref  # top_p that keeps only the top token is greedy
+    assert all(r.json()["usage"]["completion_tokens"] == 12 for r in rs)
+
+
+def test_parser_uses_the_lines_own_times() -> None:
+    parser = BACKEND.new_parser(None)
+    parser.feed("[REQUEST] id=a-1 endpoint=/v1/completions")
+    res = parser.feed(
+        "[COMPLETE] id=a-1 endpoint=/v1/completions prompt_tokens=4 completion_tokens=3 "
+        "time_ms=250.0 started_at=2026-01-02T03:04:05.000000+00:00 "
+        "finished_at=2026-01-02T03:04:05.250000+00:00"
+    )
+    assert res is not None and res.generation is not None
+    g = res.generation
+    assert g.finished_at == "2026-01-02T03:04:05.250000+00:00"  # not when the host read it
+    assert g.started_at == "2026-01-02T03:04:05+00:00"
+    assert g.generated_tokens == 3 and g.prompt_tokens == 4

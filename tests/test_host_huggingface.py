@@ -305,34 +305,67 @@ async def test_causal_endpoints_with_host_key(hosts: HFHosts) -> None:
         assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6
 
 
-async def test_last_generation_and_state_after_chat(hosts: HFHosts) -> None:
-    inst = running(hosts, "causal")
-    iid = inst["id"]
-    before = datetime.now(UTC)
-    async with httpx.AsyncClient(base_url=port_url(inst), headers=BEARER, timeout=60) as c:
-        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3})
-        assert r.status_code == 200
-    prompt_tokens = r.json()["usage"]["prompt_tokens"]
-    # The [COMPLETE] line reaches the parser through the log follower: poll briefly.
-    rec = None
-    for _ in range(100):
+async def _last_generation_after(hosts: HFHosts, iid: str, before: datetime) -> dict[str, Any]:
+    """The record after `before` (the [COMPLETE] line reaches the parser through the log
+    follower: poll, with a deadline generous enough for a loaded machine)."""
+    deadline = time.monotonic() + 30
+    while True:
         g = await hosts.client.get(
             f"/instances/{iid}/last-generation", params={"after": before.isoformat()}
         )
         if g.status_code == 200:
-            rec = g.json()
-            break
-        await asyncio.sleep(0.05)
-    assert rec is not None, g.text
-    assert rec["source"] == "log" and rec["instance_id"] == iid
-    assert rec["generated_tokens"] == 3 and rec["prompt_tokens"] == prompt_tokens
-    assert rec["total_tokens"] == prompt_tokens + 3
-    finished = datetime.fromisoformat(rec["finished_at"])
-    assert before <= finished <= datetime.now(UTC)
-    assert rec["started_at"] and datetime.fromisoformat(rec["started_at"]) <= finished
+            return g.json()
+        assert g.status_code == 404, g.text
+        assert time.monotonic() < deadline, g.text
+        await asyncio.sleep(0.02)
+
+
+async def test_last_generation_and_state_after_chat(hosts: HFHosts) -> None:
+    inst = running(hosts, "causal")
+    iid = inst["id"]
+    async with httpx.AsyncClient(base_url=port_url(inst), headers=BEARER, timeout=60) as c:
+        # Back to back, each read right after its response: each record must be its own
+        # request's, never the one before (which the host may still be reading).
+        for n, stream in [(3, False), (5, True), (2, False), (6, True), (4, False)]:
+            before = datetime.now(UTC)
+            body = {**CHAT, "max_tokens": n}
+            if stream:
+                body.update(stream=True, stream_options={"include_usage": True})
+                events = []
+                async with c.stream("POST", "/v1/chat/completions", json=body) as s:
+                    async for line in s.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            events.append(json.loads(line[6:]))
+                usage = events[-1]["usage"]
+            else:
+                r = await c.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200
+                usage = r.json()["usage"]
+            rec = await _last_generation_after(hosts, iid, before)
+            prompt_tokens = usage["prompt_tokens"]
+            assert rec["source"] == "log" and rec["instance_id"] == iid
+            assert rec["generated_tokens"] == n == usage["completion_tokens"], (rec, n)
+            assert rec["prompt_tokens"] == prompt_tokens
+            assert rec["total_tokens"] == prompt_tokens + n
+            finished = datetime.fromisoformat(rec["finished_at"])
+            assert before <= finished <= datetime.now(UTC)
+            assert before <= datetime.fromisoformat(rec["started_at"]) <= finished
+
+        # Under load: several at once, each a different length; the record after they all
+        # began is one of theirs, and it began after `before`.
+        before = datetime.now(UTC)
+        lengths = [7, 8, 9, 10, 11, 12]
+        rs = await asyncio.gather(
+            *(c.post("/v1/chat/completions", json={**CHAT, "max_tokens": n}) for n in lengths)
+        )
+        assert [r.json()["usage"]["completion_tokens"] for r in rs] == lengths
+        prompt_tokens = rs[0].json()["usage"]["prompt_tokens"]
+        rec = await _last_generation_after(hosts, iid, before)
+        assert rec["generated_tokens"] in lengths and rec["prompt_tokens"] == prompt_tokens
+        assert before <= datetime.fromisoformat(rec["started_at"])
 
     ok = await hosts.client.get(f"/instances/{iid}/last-generation", params={"within_s": 600})
-    assert ok.status_code == 200 and ok.json()["finished_at"] == rec["finished_at"]
+    assert ok.status_code == 200 and ok.json()["generated_tokens"] in lengths
     await asyncio.sleep(0.3)
     stale = await hosts.client.get(f"/instances/{iid}/last-generation", params={"within_s": 0.1})
     assert stale.status_code == 404
@@ -341,7 +374,12 @@ async def test_last_generation_and_state_after_chat(hosts: HFHosts) -> None:
     future = await hosts.client.get(f"/instances/{iid}/last-generation", params={"after": later})
     assert future.status_code == 404
 
-    state = (await hosts.client.get(f"/instances/{iid}/state")).json()
+    deadline = time.monotonic() + 30
+    while True:  # every [COMPLETE] is in the file; the host reads it soon after
+        state = (await hosts.client.get(f"/instances/{iid}/state")).json()
+        if not state["busy"] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
     assert state["instance_id"] == iid
     assert state["busy"] is False and state["phase"] == "idle" and state["active_slots"] == 0
     assert state["timestamp"]
@@ -420,18 +458,32 @@ async def test_subprocess_host_serves_hf_without_importing_torch(hosts: HFHosts)
 # --- stop -----------------------------------------------------------------------------------------
 
 
-async def test_stop_ends_every_backend(hosts: HFHosts) -> None:
-    """Runs last in this module: stops the three instances through the API."""
-    pids = []
-    for name in ("causal", "cls", "emb"):
-        inst = running(hosts, name)
-        pids.append(inst["pid"])
-        r = await hosts.started[name].client.post(f"/instances/{inst['id']}/stop")
-        assert r.status_code == 200, r.text
-        assert r.json()["instance"]["status"] == "stopped"
-        assert r.json()["instance"]["pid"] is None
-    for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
-    for name in ("causal", "cls", "emb"):
-        s = hosts.started[name]
-        assert (await s.client.get(f"/instances/{s.id}")).json()["status"] == "stopped"
+async def test_stop_ends_every_backend(hosts: HFHosts, tiny_hf_models: TinyHFModels) -> None:  # noqa: F811
+    """Stops instances of its own (one per host), so that no other test depends on running
+    before it: the module's shared instances stay up whatever the order."""
+    sub = httpx.AsyncClient(base_url=hosts.sub_url, headers={"X-API-Key": API_KEY}, timeout=30)
+    async with sub:
+        mine = await asyncio.gather(
+            create_and_start(
+                hosts.client,
+                hf_config("huggingface_classification", tiny_hf_models.classifier, "stop-cls"),
+            ),
+            create_and_start(
+                sub, hf_config("huggingface_embedding", tiny_hf_models.encoder, "stop-emb")
+            ),
+        )
+        pids = []
+        for s in mine:
+            assert s.response.status_code == 200, (s.response.text, tail_of(hosts.sub_log))
+            inst = s.response.json()["instance"]
+            assert inst["status"] == "running" and psutil.pid_exists(inst["pid"])
+            pids.append(inst["pid"])
+            r = await s.client.post(f"/instances/{s.id}/stop")
+            assert r.status_code == 200, r.text
+            assert r.json()["instance"]["status"] == "stopped"
+            assert r.json()["instance"]["pid"] is None
+        for pid in pids:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        for s in mine:
+            assert (await s.client.get(f"/instances/{s.id}")).json()["status"] == "stopped"
+            await s.client.delete(f"/instances/{s.id}")

@@ -81,6 +81,17 @@ def model_dir_of(config: BackendConfigBase, models_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _when(value: str | None) -> datetime | None:
+    """An ISO-8601 time from a marker line (timezone-aware), or None."""
+    if not value:
+        return None
+    try:
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
+
+
 class HFLogParser:
     """Runtime state and finished-generation metrics from hf_server's log markers."""
 
@@ -133,6 +144,13 @@ class HFLogParser:
                 return None
 
         prompt, completion, ms = num("prompt_tokens"), num("completion_tokens"), num("time_ms")
+        # The server's own times when the line carries them: the record is then the request's,
+        # not the moment the host happened to read the line (which may be after the next
+        # request began).
+        own_end, own_start = _when(kv.get("finished_at")), _when(kv.get("started_at"))
+        if own_end is not None:
+            now = own_end
+            started = own_start or (now - timedelta(milliseconds=ms) if ms is not None else None)
         if started is None and ms is not None:
             started = now - timedelta(milliseconds=ms)
         tps = mspt = None
@@ -210,6 +228,11 @@ class HuggingFaceBackend:
             argv += ["--labels-json", json.dumps(list(labels), ensure_ascii=False)]
         if getattr(config, "normalize_embeddings", False):
             argv.append("--normalize-embeddings")
+        if config.backend_type == "huggingface_vision":
+            if getattr(config, "allow_image_urls", False):
+                argv.append("--allow-image-urls")
+            argv += ["--max-images", str(getattr(config, "max_images", 8))]
+            argv += ["--max-image-bytes", str(getattr(config, "max_image_bytes", 10485760))]
         keys = [k for k in (ctx.host_api_key, config.api_key) if k]
         if any("," in k for k in keys):
             raise LaunchError("API keys for the HuggingFace server must not contain commas")

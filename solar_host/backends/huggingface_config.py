@@ -53,6 +53,18 @@ class HuggingFaceVisionConfig(HuggingFaceConfigBase):
     backend_type: Literal["huggingface_vision"] = "huggingface_vision"
     max_length: int = Field(default=4096, ge=1, le=10_000_000)
     use_flash_attention: bool = True
+    allow_image_urls: bool = Field(
+        default=False,
+        description="Fetch http(s) image URLs (public addresses only, never private ranges); "
+        "off: images only as data: URIs.",
+    )
+    max_images: int = Field(default=8, ge=1, le=256, description="Images per request.")
+    max_image_bytes: int = Field(
+        default=10 * 1024 * 1024,
+        ge=1024,
+        le=1024 * 1024 * 1024,
+        description="Largest image (decoded bytes); larger ones are a 413.",
+    )
 
 
 class HuggingFaceClassificationConfig(HuggingFaceConfigBase):

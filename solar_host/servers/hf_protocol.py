@@ -281,33 +281,49 @@ def text_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def decode_data_uri(url: str) -> bytes:
-    """The bytes of a base64 `data:` URI. Remote URLs are refused: no fetches (no SSRF)."""
+def decode_data_uri(url: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of a base64 `data:` URI, refused (413) past `max_bytes` before decoding."""
     if not isinstance(url, str) or not url:
         raise bad("'image_url.url' must be a non-empty string", "messages")
-    low = url[:16].lower()
-    if not low.startswith("data:"):
+    if not url[:16].lower().startswith("data:"):
         raise bad(
-            "Only data: URIs (base64) are accepted for images; remote URLs are not fetched",
+            "Only data: URIs (base64) are accepted for images; remote URLs are not fetched "
+            "on this server",
             "messages",
             code="unsupported_image_url",
         )
     head, sep, data = url.partition(",")
     if not sep or not head.lower().endswith(";base64"):
         raise bad("Image data URI must be base64 encoded (data:<mime>;base64,...)", "messages")
+    if max_bytes is not None and len(data) // 4 * 3 > max_bytes + 2:
+        raise image_too_large(len(data) // 4 * 3, max_bytes)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise bad("Image data URI has invalid base64 data", "messages") from None
     if not raw:
         raise bad("Image data URI is empty", "messages")
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise image_too_large(len(raw), max_bytes)
     return raw
 
 
-def vision_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Chat messages with parts normalised to {type: text|image}, and the image bytes in order."""
+def image_too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"An image in 'messages' is {size} bytes, more than this server's limit of {limit} bytes",
+        code="image_too_large",
+        param="messages",
+    )
+
+
+def vision_messages(
+    body: dict[str, Any], max_images: int | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages with parts normalised to {type: text|image}, and the image URLs in order
+    (data: URIs or http(s) URLs; hf_images turns them into bytes under the server's policy)."""
     out: list[dict[str, Any]] = []
-    images: list[bytes] = []
+    urls: list[str] = []
     for i, m in enumerate(_messages(body)):
         c = m.get("content")
         if c is None or isinstance(c, str):
@@ -321,7 +337,11 @@ def vision_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[by
             elif kind == "image_url":
                 iu = part.get("image_url")
                 url = iu.get("url") if isinstance(iu, dict) else iu
-                images.append(decode_data_uri(url))
+                if not isinstance(url, str) or not url:
+                    raise bad(
+                        f"'messages[{i}]' image_url.url must be a non-empty string", "messages"
+                    )
+                urls.append(url)
                 parts.append({"type": "image"})
             else:
                 raise bad(
@@ -330,7 +350,14 @@ def vision_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[by
                     code="unsupported_content",
                 )
         out.append({"role": m["role"], "content": parts})
-    return out, images
+    if max_images is not None and len(urls) > max_images:
+        raise bad(
+            f"'messages' has {len(urls)} images; this server accepts at most {max_images} per "
+            "request",
+            "messages",
+            code="too_many_images",
+        )
+    return out, urls
 
 
 class StopScanner:

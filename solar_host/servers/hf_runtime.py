@@ -1,4 +1,4 @@
-"""Model loading and the model work of hf_server (torch lives here, and only here).
+"""Model loading and the model work of hf_server (torch lives here and in hf_decode only).
 
 Every public method of an engine is blocking and runs in the server's single worker thread:
 the event loop never waits on torch. Batch methods take several requests at once and return
@@ -12,6 +12,7 @@ import io
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from solar_host.servers.hf_decode import GenResult
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
+
+MAX_IMAGE_PIXELS = 40_000_000  # a decompression bomb is refused from its header
 
 
 class LoadError(Exception):
@@ -320,14 +324,6 @@ class ClassifierEngine(TextEncoderBase):
         return out
 
 
-@dataclass
-class GenResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-
-
 class _Watch:
     """A StoppingCriteria that decodes each new token, streams text and applies stop strings."""
 
@@ -443,14 +439,37 @@ class VisionEngine(CausalEngine):
                 500, "Pillow is not installed on this host", type_="server_error"
             ) from None
         pil = []
-        for raw in images:
+        for i, raw in enumerate(images):
             try:
-                pil.append(Image.open(io.BytesIO(raw)).convert("RGB"))
+                with warnings.catch_warnings():  # our own limit below decides, with a 413
+                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                    img = Image.open(io.BytesIO(raw))  # reads the header only
+            except Image.DecompressionBombError as err:
+                raise APIError(
+                    413, f"Image {i}: {err}", code="image_too_large", param="messages"
+                ) from None
             except Exception as err:
                 raise APIError(
-                    400, f"Image could not be decoded: {err}", param="messages"
+                    400, f"Image {i} could not be decoded: {err}", param="messages"
+                ) from None
+            w, h = img.size
+            if w * h > MAX_IMAGE_PIXELS:  # checked before the pixels are decoded
+                raise APIError(
+                    413,
+                    f"Image {i} is {w}x{h} pixels, more than this server's limit of "
+                    f"{MAX_IMAGE_PIXELS} pixels",
+                    code="image_too_large",
+                    param="messages",
+                )
+            try:
+                pil.append(img.convert("RGB"))
+            except Exception as err:
+                raise APIError(
+                    400, f"Image {i} could not be decoded: {err}", param="messages"
                 ) from None
         text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        # The prompt is the processor's: the image placeholders are expanded to the tokens the
+        # model really reads, so usage counts them as the processor does.
         inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
         return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
 

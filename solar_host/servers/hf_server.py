@@ -7,8 +7,12 @@ API keys come from the environment (SOLAR_HF_API_KEYS, comma-separated), never a
 visible to every user of the machine. The model is loaded before the socket is opened, so
 uvicorn's "Uvicorn running on http://..." line means "ready". Each request logs
 `[REQUEST] id=.. endpoint=..` and `[COMPLETE] id=.. endpoint=.. prompt_tokens=N
-completion_tokens=M time_ms=T` (or `[ERROR] id=.. endpoint=.. status=S message=..`), which the
-host's log parser turns into runtime state and last-generation metrics.
+completion_tokens=M time_ms=T` (generations add `started_at=.. finished_at=..`, and that line is
+written before the response's last event) or `[ERROR] id=.. endpoint=.. status=S message=..`,
+which the host's log parser turns into runtime state and last-generation metrics.
+
+Causal chat and completion requests are decoded together, step by step (hf_decode): a request
+joins the running batch at the next step.
 
 Too-long inputs: a chat/completion prompt at or over the context is a 400
 `context_length_exceeded` (as OpenAI does). Embedding and classification inputs over
@@ -31,6 +35,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from starlette.applications import Starlette
@@ -40,6 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from solar_host.servers.hf_batcher import DynamicBatcher
+from solar_host.servers.hf_images import ImageLoader, ImagePolicy
 from solar_host.servers.hf_protocol import (
     APIError,
     dumps,
@@ -62,6 +68,7 @@ CAPABILITIES = {
     "vision": ["completion", "multimodal"],
 }
 JSON = "application/json"
+MIN_BODY_LIMIT = 8 * 1024 * 1024
 
 
 def log_line(text: str) -> None:
@@ -83,8 +90,13 @@ class MarkerLog:
         self._pending: list[str] = []
         self._scheduled = False
 
-    def line(self, text: str) -> None:
+    def line(self, text: str, now: bool = False) -> None:
+        """Queue a line; `now` writes it (and any queued before it) before returning: for the
+        lines a client may act on as soon as its response ends (a finished generation)."""
         self._pending.append(text)
+        if now:
+            self.flush()
+            return
         if self._scheduled:
             return
         try:
@@ -118,6 +130,47 @@ def error_response(err: APIError) -> Response:
     return Response(dumps(err.body()), status_code=err.status, media_type=JSON, headers=headers)
 
 
+class GenRun:
+    """One generation as the event loop sees it: text pieces as they come, then the result
+    (a GenResult, or the exception that ended it). Fed on the event loop only."""
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._q: asyncio.Queue[Any] = asyncio.Queue()
+        self._result: Any = None
+        self.task: asyncio.Task | None = None  # keeps a one-at-a-time job referenced
+
+    def piece(self, text: str) -> None:
+        self._q.put_nowait(text)
+
+    def done(self, result: Any) -> None:
+        self._result = result
+        self._q.put_nowait(self._END)
+
+    async def pieces(self) -> AsyncIterator[list[str]]:
+        """The pieces, several at a time when several are waiting (when the client or the
+        loop is slower than decoding, one write carries them all)."""
+        while (item := await self._q.get()) is not self._END:
+            batch = [item]
+            while not self._q.empty():
+                nxt = self._q.get_nowait()
+                if nxt is self._END:
+                    self._q.put_nowait(nxt)
+                    break
+                batch.append(nxt)
+            yield batch
+        self._q.put_nowait(self._END)  # result() may still be awaited
+
+    async def result(self) -> Any:
+        while await self._q.get() is not self._END:
+            pass
+        self._q.put_nowait(self._END)
+        if isinstance(self._result, BaseException):
+            raise self._result
+        return self._result
+
+
 class HFServer:
     """The app's state: the engine, the worker thread, the batcher, counters and auth."""
 
@@ -140,6 +193,23 @@ class HFServer:
             self.batcher = DynamicBatcher(
                 engine.classify_batch, self.worker, args.max_batch_size, args.batch_window_ms / 1000
             )
+        self.images = ImageLoader(
+            ImagePolicy(
+                allow_urls=getattr(args, "allow_image_urls", False),
+                max_images=getattr(args, "max_images", 8),
+                max_bytes=getattr(args, "max_image_bytes", 10 * 1024 * 1024),
+            )
+        )
+        # The largest body read: room for every allowed image as base64, plus the text.
+        self.max_body = (
+            max(
+                MIN_BODY_LIMIT,
+                self.images.policy.max_images * self.images.policy.max_bytes * 4 // 3,
+            )
+            + MIN_BODY_LIMIT
+        )
+        # Causal models decode in the step-level scheduler (hf_decode), started in lifespan.
+        self.decoder: Any = None
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self.in_flight = 0
@@ -147,6 +217,31 @@ class HFServer:
         self.completed = 0
         self.errors = 0
         self.log = MarkerLog()
+
+    def start_decoder(self) -> None:
+        if self.model_type != "causal":
+            return
+        from solar_host.servers.hf_decode import DecodeScheduler
+
+        loop = asyncio.get_running_loop()
+
+        def deliver(items: list[tuple[Callable[[Any], None], Any]]) -> None:
+            for callback, arg in items:
+                callback(arg)
+
+        def post(items: list[tuple[Callable[[Any], None], Any]]) -> None:
+            loop.call_soon_threadsafe(deliver, items)  # one wake-up per decode step
+
+        threads = getattr(self.args, "threads", None)
+        self.decoder = DecodeScheduler(
+            self.engine.model,
+            self.engine.tok,
+            self.device,
+            self.args.max_batch_size,
+            post,
+            threads=threads[0] if threads else None,
+        )
+        self.decoder.start()
 
     # ---- plumbing -------------------------------------------------------------------
 
@@ -171,19 +266,48 @@ class HFServer:
         return rid, time.perf_counter()
 
     def complete(self, rid: str, endpoint: str, t0: float, prompt: int, completion: int) -> None:
+        """The [COMPLETE] marker. A generation's is written at once, before its response's last
+        event goes out, and carries its own start and end times: the host's last-generation
+        record is then this request's as soon as its client has read the response, however late
+        the host reads the log."""
         self.in_flight -= 1
         self.completed += 1
-        ms = (time.perf_counter() - t0) * 1000
-        self.log.line(
+        elapsed = time.perf_counter() - t0
+        line = (
             f"[COMPLETE] id={rid} endpoint={endpoint} prompt_tokens={prompt} "
-            f"completion_tokens={completion} time_ms={ms:.1f}"
+            f"completion_tokens={completion} time_ms={elapsed * 1000:.1f}"
         )
+        generation = endpoint in ("/v1/chat/completions", "/v1/completions")
+        if generation:
+            end = datetime.now(UTC)
+            start = end - timedelta(seconds=elapsed)
+            line += f" started_at={start.isoformat()} finished_at={end.isoformat()}"
+        self.log.line(line, now=generation)
 
     def fail(self, rid: str, endpoint: str, status: int, message: str) -> None:
         self.in_flight -= 1
         self.errors += 1
         msg = message.replace("\n", " ")[:300]
         self.log.line(f"[ERROR] id={rid} endpoint={endpoint} status={status} message={msg}")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with 413 past max_body (before it is all in memory)."""
+        declared = request.headers.get("content-length", "")
+        too_big = APIError(
+            413,
+            f"Request body is larger than this server's limit of {self.max_body} bytes",
+            code="request_too_large",
+        )
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            parts.append(chunk)
+        return b"".join(parts)
 
     def require(self, *types: str, what: str) -> None:
         if self.model_type not in types:
@@ -220,7 +344,7 @@ class HFServer:
             )
         rid, t0 = self.begin(endpoint)
         try:
-            body = parse_body(await request.body())
+            body = parse_body(await self.read_body(request))
             return await handler(body, rid, t0)
         except APIError as err:
             self.fail(rid, endpoint, err.status, err.message)
@@ -279,39 +403,76 @@ class HFServer:
         self.require("causal", "vision", what="/v1/chat/completions")
         params = parse_gen_params(body)
         if self.model_type == "vision":
-            messages, images = vision_messages(body)
+            messages, urls = vision_messages(body, self.images.policy.max_images)
+            images = await self.images.load(urls)
             loop = asyncio.get_running_loop()
-            inputs = await loop.run_in_executor(
+            inputs: Any = await loop.run_in_executor(
                 self.worker, self.engine.vision_inputs, messages, images
             )
         else:
             prompt = self.engine.chat_prompt(text_messages(body))
-            inputs = self.engine.inputs_of(self.engine.prompt_ids(prompt, chat=True))
+            inputs = self.engine.prompt_ids(prompt, chat=True)
         return await self._generate(inputs, params, rid, t0, "/v1/chat/completions", chat=True)
 
     async def completions(self, body: dict[str, Any], rid: str, t0: float) -> Response:
         self.require("causal", what="/v1/completions")
         params = parse_gen_params(body)
         ids = self.engine.prompt_ids(parse_prompt(body), chat=False)
-        inputs = self.engine.inputs_of(ids)
-        return await self._generate(inputs, params, rid, t0, "/v1/completions", chat=False)
+        return await self._generate(ids, params, rid, t0, "/v1/completions", chat=False)
+
+    def _start(self, inputs: Any, params: Any, stream: bool, cancel: threading.Event) -> GenRun:
+        """Start one generation: causal prompts join the decode scheduler's running batch; a
+        vision model's inputs (pixels and all) run one at a time through model.generate."""
+        run = GenRun()
+        self.generating += 1
+        if self.decoder is not None:
+            from solar_host.servers.hf_decode import GenRequest
+
+            room = self.engine.limit - len(inputs)
+            max_new = min(params.max_tokens or room, room)
+            self.decoder.submit(
+                GenRequest(inputs, params, max_new, run.piece if stream else None, run.done, cancel)
+            )
+        else:
+            loop = asyncio.get_running_loop()
+
+            def emit(piece: str) -> None:  # called in the worker thread
+                loop.call_soon_threadsafe(run.piece, piece)
+
+            async def one_at_a_time() -> None:
+                try:
+                    async with self.gen_lock:
+                        res = await loop.run_in_executor(
+                            self.worker,
+                            self.engine.generate,
+                            self.engine.inputs_of(inputs) if isinstance(inputs, list) else inputs,
+                            params,
+                            emit if stream else None,
+                            cancel,
+                        )
+                except Exception as err:
+                    run.done(err)
+                else:
+                    run.done(res)
+
+            run.task = loop.create_task(one_at_a_time())
+        return run
 
     async def _generate(
-        self, inputs: dict, params: Any, rid: str, t0: float, endpoint: str, chat: bool
+        self, inputs: Any, params: Any, rid: str, t0: float, endpoint: str, chat: bool
     ) -> Response:
-        loop = asyncio.get_running_loop()
         cancel = threading.Event()
         oid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         if not params.stream:
-            async with self.gen_lock:
-                self.generating += 1
-                try:
-                    res = await loop.run_in_executor(
-                        self.worker, self.engine.generate, inputs, params, None, cancel
-                    )
-                finally:
-                    self.generating -= 1
+            run = self._start(inputs, params, False, cancel)
+            try:
+                res = await run.result()
+            except BaseException:
+                cancel.set()  # e.g. the request task was cancelled: free the row
+                raise
+            finally:
+                self.generating -= 1
             self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
             usage = _usage(res)
             if chat:
@@ -345,7 +506,7 @@ class HFServer:
 
     async def _stream(
         self,
-        inputs: dict,
+        inputs: Any,
         params: Any,
         rid: str,
         t0: float,
@@ -355,8 +516,6 @@ class HFServer:
         created: int,
         cancel: threading.Event,
     ) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = asyncio.Queue()
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if params.include_usage else {}
 
@@ -375,44 +534,45 @@ class HFServer:
             body["choices"] = [choice]
             return b"data: " + dumps({**body, **extra}) + b"\n\n"
 
-        def emit(piece: str) -> None:  # called in the worker thread
-            loop.call_soon_threadsafe(q.put_nowait, piece)
+        # Text events differ only in the piece: one template, split around a marker, instead
+        # of building and encoding the whole object for every token of every stream.
+        marker = "\u0000piece\u0000"
+        head_b, _, tail_b = chunk(marker, None).partition(dumps(marker))
+
+        def text_events(pieces: list[str]) -> bytes:
+            return b"".join(head_b + dumps(p) + tail_b for p in pieces)
 
         done = False
+        run = self._start(inputs, params, True, cancel)
         try:
-            async with self.gen_lock:
-                self.generating += 1
-                try:
-                    if chat:
-                        first = {"role": "assistant", "content": ""}
-                        head = {"id": oid, "object": obj, "created": created, "model": self.alias}
-                        head["choices"] = [{"index": 0, "delta": first, "finish_reason": None}]
-                        yield b"data: " + dumps({**head, **extra}) + b"\n\n"
-                    fut = loop.run_in_executor(
-                        self.worker, self.engine.generate, inputs, params, emit, cancel
-                    )
-                    fut.add_done_callback(lambda _f: q.put_nowait(None))
-                    while True:
-                        piece = await q.get()
-                        if piece is None:
-                            break
-                        yield chunk(piece, None)
-                    res = await fut
-                finally:
-                    self.generating -= 1
+            try:
+                if chat:
+                    first = {"role": "assistant", "content": ""}
+                    head = {"id": oid, "object": obj, "created": created, "model": self.alias}
+                    head["choices"] = [{"index": 0, "delta": first, "finish_reason": None}]
+                    yield b"data: " + dumps({**head, **extra}) + b"\n\n"
+                async for pieces in run.pieces():
+                    yield text_events(pieces)
+                res = await run.result()
+            finally:
+                self.generating -= 1
+            # Logged before the final events: a client that has read [DONE] finds this
+            # request's record at the host (see complete()).
+            done = True
+            self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
             yield chunk(None, res.finish_reason)
             if params.include_usage:
                 tail = {"id": oid, "object": obj, "created": created, "model": self.alias}
                 tail.update(choices=[], usage=_usage(res))
                 yield b"data: " + dumps(tail) + b"\n\n"
             yield b"data: [DONE]\n\n"
-            done = True
-            self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
         except APIError as err:
             done = True
             self.fail(rid, endpoint, err.status, err.message)
             yield b"data: " + dumps(err.body()) + b"\n\ndata: [DONE]\n\n"
         except Exception as err:
+            if done:  # the client went away during the final events: it was logged
+                raise
             done = True
             self.fail(rid, endpoint, 500, f"{type(err).__name__}: {err}")
             body = APIError(500, str(err), type_="server_error", code="internal_error").body()
@@ -480,6 +640,7 @@ class HFServer:
             "errors": self.errors,
             "torch_threads": self.threads(),
             "batching": self.batcher.stats() if self.batcher else None,
+            "decoding": self.decoder.stats() if self.decoder else None,
         }
 
 
@@ -525,7 +686,10 @@ def build_app(srv: HFServer) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if srv.batcher is not None:
             srv.batcher.start()
+        srv.start_decoder()
         yield
+        if srv.decoder is not None:
+            await asyncio.get_running_loop().run_in_executor(None, srv.decoder.stop)
         if srv.batcher is not None:
             await srv.batcher.stop()
         srv.worker.shutdown(wait=False, cancel_futures=True)
@@ -568,7 +732,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (0: OMP_NUM_THREADS if set, else measured per batch "
         "between all CPUs and all but one)",
     )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="vision: fetch http(s) image URLs (public addresses only); off: data: URIs only",
+    )
+    p.add_argument("--max-images", type=int, default=8, help="vision: images per request")
+    p.add_argument(
+        "--max-image-bytes", type=int, default=10 * 1024 * 1024, help="vision: bytes per image"
+    )
     args = p.parse_args(argv)
+    if args.max_images < 1 or args.max_image_bytes < 1:
+        p.error("--max-images and --max-image-bytes must be >= 1")
     if args.labels_json is not None:
         try:
             labels = json.loads(args.labels_json)

@@ -1,0 +1,287 @@
+"""Chat throughput and time to first token of hf_server with 1, 4, 8 and 16 streaming clients.
+
+Two hf_server processes serve the same causal model, started with the argv and environment the
+host's HuggingFace backend builds (`HuggingFaceBackend.launch`):
+
+- batched: the step-level decode scheduler (hf_decode), max_batch_size 32;
+- one-at-a-time: the same server with max_batch_size 1, i.e. requests generated one after
+  another, as the server did before step-level batching (and as the old release does).
+
+Each phase runs C streaming chat clients for a fixed time, in a client process of its own (the
+clients never share an interpreter with a model); every request asks for `--max-tokens` tokens
+at temperature 0 and reads the stream to the end. Tokens are the servers' own usage counts
+(stream_options.include_usage); time to first token (TTFT) is from sending the request to the
+first chunk with text. Phases of the two servers alternate at each client count, so both see
+the same machine.
+
+Target (issue 20): with 8 clients, at least 3x the one-at-a-time aggregate tokens/s, and a p50
+TTFT at most 3x the single-client p50.
+
+    .venv/bin/python bench/hf_chat_concurrency.py [--seconds 8] [--max-tokens 32]
+        [--size tiny|small] [--model DIR] [--clients 1,4,8,16]
+
+--size tiny is the tests' 2-layer 32-wide GPT-2; small is a 4-layer 256-wide one (random
+weights, same tokenizer): more work per step, closer to what batching does for a real model.
+--model serves a local causal model directory instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-key"
+PROMPTS = [
+    "hello world, how are you?",
+    "the cat sat on the mat",
+    "tell me about the stock market",
+    "a man is eating a piece of bread",
+    "the quick brown fox",
+    "what do tiny models do?",
+]
+
+
+# ---- client process ---------------------------------------------------------------------
+
+
+async def _load(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+    import aiohttp  # a lighter client than httpx: the clients share the machine with the server
+
+    ttft: list[float] = []
+    tokens = 0
+    requests = 0
+    errors = 0
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(url, connector=conn, headers=headers) as session:
+
+        async def one(i: int, stop_at: float) -> None:
+            nonlocal tokens, requests, errors
+            n = i
+            while time.perf_counter() < stop_at:
+                body = {
+                    "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                n += 1
+                t0 = time.perf_counter()
+                first = None
+                usage = None
+                async with session.post("/v1/chat/completions", data=json.dumps(body)) as r:
+                    if r.status != 200:
+                        errors += 1
+                        await r.read()
+                        continue
+                    async for raw in r.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        if first is None and b'"content":"' in line and b'"content":""' not in line:
+                            first = time.perf_counter() - t0
+                        elif b'"usage":{' in line:
+                            usage = json.loads(line[6:])["usage"]
+                if usage is None or first is None:
+                    errors += 1
+                    continue
+                tokens += usage["completion_tokens"]
+                requests += 1
+                ttft.append(first)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i, t0 + seconds) for i in range(clients)))
+        elapsed = time.perf_counter() - t0
+    return {
+        "tokens": tokens,
+        "requests": requests,
+        "errors": errors,
+        "seconds": elapsed,
+        "ttft": ttft,
+    }
+
+
+def client_main(argv: list[str]) -> None:
+    url, clients, seconds, max_tokens = argv[0], int(argv[1]), float(argv[2]), int(argv[3])
+    print(json.dumps(asyncio.run(_load(url, clients, seconds, max_tokens))))
+
+
+def run_client(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--client", url, str(clients), str(seconds), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"client failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_model(root: Path, size: str) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from tests.fixtures.hf_models import build_tiny_hf_models
+
+    models = build_tiny_hf_models(root)
+    if size == "tiny":
+        return models.causal
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(models.causal)
+    torch.manual_seed(7)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=2048,
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
+    model = GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # as the tiny one: EOS never wins, so every request runs its length
+        model.lm_head.weight[tok.eos_token_id].zero_()
+    out = root / "small-gpt2"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def start_server(model_dir: Path, max_batch: int, log: Path) -> tuple[subprocess.Popen, str]:
+    from solar_host.backends.base import LaunchContext
+    from solar_host.backends.huggingface import BACKEND
+
+    cfg = BACKEND.config_model("huggingface_causal").model_validate(
+        {
+            "backend_type": "huggingface_causal",
+            "alias": f"bench-b{max_batch}",
+            "model_id": str(model_dir),
+            "host": "127.0.0.1",
+            "max_batch_size": max_batch,
+            "max_length": 1024,
+        }
+    )
+    port = free_port()
+    ctx = LaunchContext(
+        instance_id="bench", port=port, host_api_key=KEY, models_dir=model_dir.parent
+    )
+    spec = BACKEND.launch(cfg, ctx)
+    env = {**os.environ, **spec.env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    fh = open(log, "wb")
+    proc = subprocess.Popen(spec.argv, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(procs: list[tuple[subprocess.Popen, str, Path]]) -> None:
+    deadline = time.monotonic() + 300
+    for proc, _url, log in procs:
+        while "Uvicorn running on" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        client_main(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=8, help="length of each phase")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--clients", default="1,4,8,16")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--model", default=None, help="a local causal model directory")
+    args = p.parse_args()
+    counts = [int(x) for x in args.clients.split(",")]
+    sys.path.insert(0, str(ROOT))
+
+    with tempfile.TemporaryDirectory(prefix="hf-chat-bench-") as tmp:
+        root = Path(tmp)
+        model = Path(args.model) if args.model else build_model(root, args.size)
+        servers = {}
+        for name, batch in (("batched", 32), ("one-at-a-time", 1)):
+            log = root / f"{name}.log"
+            proc, url = start_server(model, batch, log)
+            servers[name] = (proc, url, log)
+        try:
+            wait_ready(list(servers.values()))
+            for _proc, url, _log in servers.values():  # warm-up
+                run_client(url, 2, 1.0, args.max_tokens)
+            results: dict[tuple[str, int], dict] = {}
+            for c in counts:
+                for name, (_proc, url, _log) in servers.items():
+                    results[(name, c)] = run_client(url, c, args.seconds, args.max_tokens)
+        finally:
+            for proc, _url, _log in servers.values():
+                proc.terminate()
+            for proc, _url, _log in servers.values():
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"model: {args.model or args.size}, max_tokens {args.max_tokens}, {args.seconds:g} s "
+        f"per phase, {os.cpu_count()} CPUs, load average {load}"
+    )
+    print(
+        f"{'clients':>7} | {'server':<13} | {'tok/s':>8} | {'req':>5} | {'err':>3} | "
+        f"{'TTFT p50 ms':>11} | {'TTFT p99 ms':>11}"
+    )
+
+    def tps(r: dict) -> float:
+        return r["tokens"] / r["seconds"]
+
+    for c in counts:
+        for name in servers:
+            r = results[(name, c)]
+            print(
+                f"{c:>7} | {name:<13} | {tps(r):>8.1f} | {r['requests']:>5} | {r['errors']:>3} | "
+                f"{pct(r['ttft'], 50) * 1000:>11.1f} | {pct(r['ttft'], 99) * 1000:>11.1f}"
+            )
+    if 8 in counts and 1 in counts:
+        b8, o8 = results[("batched", 8)], results[("one-at-a-time", 8)]
+        b1 = results[("batched", 1)]
+        o1 = results[("one-at-a-time", 1)]
+        base = max(tps(o8), tps(o1))  # one at a time: the better of its two figures
+        speed = tps(b8) / base
+        ttft = statistics.median(b8["ttft"]) / statistics.median(b1["ttft"])
+        print(
+            f"8 clients: {speed:.2f}x the one-at-a-time aggregate tokens/s (target >= 3x); "
+            f"p50 TTFT {ttft:.2f}x the single-client p50 (target <= 3x)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Step-level batched decoding for causal models: many chats share every forward pass.
+
+One scheduler thread owns the running batch: its rows, their shared KV cache (a transformers
+`DynamicCache`, rows left-padded to one width) and the attention mask. Each turn of its loop
+admits the requests that arrived (one left-padded prefill for all of them, whose last logits
+give each its first token at once), merges their cache rows into the running batch, then runs
+one decode step for every row. A request that arrives while others generate therefore waits
+for at most one step and one prefill, never for a generation to end.
+
+Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
+client goes away (the request's cancel event); the columns that only padding still uses are
+cut off, so the cache stays as wide as its longest live row. Sampling is per row, each with
+its own torch.Generator, so a request's temperature, top_p and seed mean the same whatever
+else runs beside it.
+
+Models whose cache is not made of plain dynamic layers (sliding windows, linear attention)
+cannot have rows merged into a running batch; for them the scheduler forms a new batch only
+when the previous one has ended (static batching).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from solar_host.servers.hf_protocol import GenParams, StopScanner
+
+# Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step).
+Post = Callable[[list[tuple[Callable[[Any], None], Any]]], None]
+
+
+@dataclass
+class GenResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+class Cancelled(Exception):
+    """The request's client went away; its row was dropped."""
+
+
+@dataclass
+class GenRequest:
+    """One generation. `on_piece` and `on_done` are called on the event loop (through Post)."""
+
+    ids: list[int]
+    params: GenParams
+    max_new: int
+    on_piece: Callable[[str], None] | None
+    on_done: Callable[[GenResult | BaseException], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _Row:
+    req: GenRequest
+    scanner: StopScanner
+    gen: torch.Generator | None
+    new: list[int] = field(default_factory=list)
+
+
+class DecodeScheduler:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        device: str,
+        max_batch: int,
+        post: Post,
+        threads: int | None = None,
+    ):
+        self.model, self.tok, self.device = model, tokenizer, device
+        self.max_batch = max(1, max_batch)
+        self._post = post
+        self._threads = threads
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        accepted = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed past_key_values to cache (the old name warns, then goes).
+        self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
+        self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+        self._cond = threading.Condition()
+        self._pending: list[GenRequest] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # Owned by the scheduler thread only.
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None
+        self._mergeable: bool | None = None  # known after the first prefill
+        self._out: list[tuple[Callable[[Any], None], Any]] = []
+        # Counters (read by stats(); plain ints, written by the scheduler thread).
+        self.steps = 0
+        self.prefills = 0
+        self.admitted = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.max_rows = 0
+        self.rows_now = 0
+
+    # ---- the event loop's side -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hf-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, req: GenRequest) -> None:
+        with self._cond:
+            self._pending.append(req)
+            self._cond.notify()
+
+    def busy(self) -> int:
+        """Requests queued or generating."""
+        with self._cond:
+            return len(self._pending) + self.rows_now
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            waiting = len(self._pending)
+        return {
+            "rows": self.rows_now,
+            "waiting": waiting,
+            "max_rows": self.max_rows,
+            "max_batch_size": self.max_batch,
+            "steps": self.steps,
+            "prefills": self.prefills,
+            "admitted": self.admitted,
+            "finished": self.finished,
+            "cancelled": self.cancelled,
+            "joins_running_batch": self._mergeable is not False,
+        }
+
+    # ---- the scheduler thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)  # per thread (OpenMP); this one decodes
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending and not self._rows:
+                    self._cond.wait()
+                if self._stopping:
+                    pending, self._pending = self._pending, []
+                    break
+                room = self.max_batch - len(self._rows)
+                if self._rows and self._mergeable is False:
+                    room = 0  # static batching: wait for the batch to end
+                new, self._pending = self._pending[:room], self._pending[room:]
+            try:
+                with torch.inference_mode():
+                    self._drop(lambda r: r.req.cancel.is_set(), None)
+                    for r in new:
+                        if r.cancel.is_set():
+                            self.cancelled += 1
+                            self._out.append((r.on_done, Cancelled("client disconnected")))
+                    new = [r for r in new if not r.cancel.is_set()]
+                    if new:
+                        self._admit(new)
+                        self._flush()  # first tokens go out now, not after the next step
+                    if self._rows:
+                        self._step()
+            except Exception as err:  # e.g. out of memory: every row of the batch fails
+                for r in self._rows:
+                    self._out.append((r.req.on_done, err))
+                for r in new:
+                    if not any(row.req is r for row in self._rows):
+                        self._out.append((r.on_done, err))
+                self._reset()
+            self.rows_now = len(self._rows)
+            self._flush()
+        for req in pending + [r.req for r in self._rows]:
+            self._out.append((req.on_done, Cancelled("server shutting down")))
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._out:
+            out, self._out = self._out, []
+            try:
+                self._post(out)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                pass
+
+    def _reset(self) -> None:
+        self._rows, self._cache, self._mask = [], None, None
+
+    def _admit(self, reqs: list[GenRequest]) -> None:
+        """Prefill the new requests together and merge their rows into the running batch."""
+        from transformers import DynamicCache
+
+        width = max(len(r.ids) for r in reqs)
+        x = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        m = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            x[i, width - len(r.ids) :] = torch.tensor(r.ids, dtype=torch.long)
+            m[i, width - len(r.ids) :] = 1
+        x, m = x.to(self.device), m.to(self.device)
+        cache = DynamicCache(config=self.model.config)
+        pos = (m.cumsum(1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=x,
+            attention_mask=m,
+            position_ids=pos,
+            use_cache=True,
+            **{self._cache_kw: cache},
+            **self._keep_kw,
+        )
+        self.prefills += 1
+        self.admitted += len(reqs)
+        if self._mergeable is None:
+            self._mergeable = all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+        rows = [
+            _Row(r, StopScanner(r.params.stop), _generator(r.params, self.device)) for r in reqs
+        ]
+        if self._rows:
+            self._merge(cache, m)
+        else:
+            self._cache, self._mask = cache, m
+        self._rows.extend(rows)
+        self.max_rows = max(self.max_rows, len(self._rows))
+        self._accept(rows, out.logits[:, -1, :], first=len(self._rows) - len(rows))
+
+    def _merge(self, cache: Any, mask: torch.Tensor) -> None:
+        """Append `cache`'s rows to the running cache, left-padding the narrower of the two."""
+        assert self._mask is not None
+        old_w, new_w = self._mask.shape[1], mask.shape[1]
+        w = max(old_w, new_w)
+        pad = torch.nn.functional.pad
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat(
+                [pad(old.keys, (0, 0, w - old_w, 0)), pad(new.keys, (0, 0, w - new_w, 0))]
+            )
+            old.values = torch.cat(
+                [pad(old.values, (0, 0, w - old_w, 0)), pad(new.values, (0, 0, w - new_w, 0))]
+            )
+        self._mask = torch.cat([pad(self._mask, (w - old_w, 0)), pad(mask, (w - new_w, 0))])
+
+    def _step(self) -> None:
+        assert self._mask is not None
+        last = torch.tensor([[r.new[-1]] for r in self._rows], dtype=torch.long, device=self.device)
+        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        pos = self._mask.sum(1, keepdim=True) - 1
+        out = self.model(
+            input_ids=last,
+            attention_mask=self._mask,
+            position_ids=pos,
+            use_cache=True,
+            **{self._cache_kw: self._cache},
+            **self._keep_kw,
+        )
+        self.steps += 1
+        self._accept(self._rows, out.logits[:, -1, :], first=0)
+
+    def _accept(self, rows: list[_Row], logits: torch.Tensor, first: int) -> None:
+        """Pick each row's next token from its logits; finish the rows that are done."""
+        greedy = logits.argmax(-1).tolist()
+        done: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            p = row.req.params
+            t = greedy[i] if p.temperature <= 0 else _sample(logits[i], p, row.gen)
+            row.new.append(t)
+            text = self.tok.decode(row.new, skip_special_tokens=True)
+            piece = row.scanner.update(text)
+            if piece and row.req.on_piece is not None:
+                self._out.append((row.req.on_piece, piece))
+            if row.scanner.stopped or t in self.eos_ids:
+                done[first + i] = "stop"
+            elif len(row.new) >= row.req.max_new:
+                done[first + i] = "length"
+        if done:
+            self._drop(lambda r: False, done)
+
+    def _drop(self, cancelled: Callable[[_Row], bool], done: dict[int, str] | None) -> None:
+        """Remove finished (done: row index -> reason) and cancelled rows from the batch."""
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            if done is not None and i in done:
+                self._finish(row, done[i])
+            elif cancelled(row):
+                self.cancelled += 1
+                self._out.append((row.req.on_done, Cancelled("client disconnected")))
+            else:
+                keep.append(i)
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._reset()
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._rows = [self._rows[i] for i in keep]
+        self._cache.batch_select_indices(idx)
+        assert self._mask is not None
+        self._mask = self._mask[idx]
+        # Columns that are padding in every remaining row serve nobody: cut them.
+        lead = int(self._mask.any(0).to(torch.int8).argmax())
+        if lead > 0 and self._mergeable:
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., lead:, :]
+                layer.values = layer.values[..., lead:, :]
+            self._mask = self._mask[:, lead:]
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        text = self.tok.decode(row.new, skip_special_tokens=True)
+        rest = row.scanner.finish(text)
+        if rest and row.req.on_piece is not None:
+            self._out.append((row.req.on_piece, rest))
+        self.finished += 1
+        res = GenResult(row.scanner.final or "", len(row.req.ids), len(row.new), reason)
+        self._out.append((row.req.on_done, res))
+
+
+def _generator(params: GenParams, device: str) -> torch.Generator | None:
+    if params.temperature <= 0:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def _sample(logits: torch.Tensor, params: GenParams, gen: torch.Generator | None) -> int:
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen).item())

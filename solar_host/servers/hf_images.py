@@ -1,0 +1,140 @@
+"""Image bytes for vision requests: data: URIs always, http(s) URLs only when allowed.
+
+Fetching is off by default: a server that fetches what a request names can be steered at the
+machines behind it (cloud metadata at 169.254.169.254, admin ports on loopback, the LAN). When
+an operator turns it on (`allow_image_urls`), every address the host name resolves to must be
+public (not private, loopback, link-local, multicast, reserved or unspecified, IPv4-mapped
+forms included), and the connection goes to the address that was checked, not to a second
+lookup of the name (which a rebinding DNS server could answer differently). Redirects are
+followed by hand, each target checked the same way. Bodies are read up to the size limit and
+no further.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+from solar_host.servers.hf_protocol import APIError, bad, decode_data_uri, image_too_large
+
+MAX_REDIRECTS = 3
+FETCH_TIMEOUT_S = 10.0
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def address_is_public(addr: Address) -> bool:
+    """True only for globally routable unicast addresses."""
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_global and not (
+        addr.is_private
+        or addr.is_loopback
+        or addr.is_link_local
+        or addr.is_multicast
+        or addr.is_reserved
+        or addr.is_unspecified
+    )
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    allow_urls: bool = False
+    max_images: int = 8
+    max_bytes: int = 10 * 1024 * 1024
+    # Which resolved addresses may be fetched; tests on a loopback-only machine widen it.
+    address_ok: Callable[[Address], bool] = address_is_public
+
+
+class ImageLoader:
+    def __init__(self, policy: ImagePolicy):
+        self.policy = policy
+
+    async def load(self, urls: list[str]) -> list[bytes]:
+        if len(urls) > self.policy.max_images:
+            raise bad(
+                f"'messages' has {len(urls)} images; this server accepts at most "
+                f"{self.policy.max_images} per request",
+                "messages",
+                code="too_many_images",
+            )
+        out = []
+        for url in urls:
+            scheme = url[:8].lower()
+            if scheme.startswith(("http://", "https://")) and self.policy.allow_urls:
+                out.append(await self.fetch(url))
+            else:
+                out.append(decode_data_uri(url, self.policy.max_bytes))
+        return out
+
+    async def _checked_address(self, host: str, port: int) -> str:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM
+            )
+        except OSError as err:
+            raise bad(f"Image URL host {host!r} cannot be resolved: {err}", "messages") from None
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        refused = [a for a in addrs if not self.policy.address_ok(a)]
+        if not addrs or refused:
+            raise APIError(
+                400,
+                f"Image URL host {host!r} resolves to a non-public address "
+                f"({refused[0] if refused else 'none'}); only public addresses are fetched",
+                code="image_url_refused",
+                param="messages",
+            )
+        return str(addrs[0])
+
+    async def fetch(self, url: str) -> bytes:
+        import httpx
+
+        limit = self.policy.max_bytes
+        async with httpx.AsyncClient(
+            follow_redirects=False, timeout=FETCH_TIMEOUT_S, trust_env=False
+        ) as client:
+            for _ in range(MAX_REDIRECTS + 1):
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise bad(f"Image URL must be http(s) with a host: {url[:200]!r}", "messages")
+                port = parts.port or (443 if parts.scheme == "https" else 80)
+                ip = await self._checked_address(parts.hostname, port)
+                netloc = f"[{ip}]" if ":" in ip else ip
+                target = parts._replace(netloc=f"{netloc}:{port}").geturl()
+                ext: dict[str, Any] = {}
+                if parts.scheme == "https":  # TLS still checks the name, not the address
+                    ext["sni_hostname"] = parts.hostname
+                host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
+                try:
+                    async with client.stream(
+                        "GET", target, headers={"Host": host_header}, extensions=ext
+                    ) as r:
+                        if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
+                            url = urljoin(url, r.headers["location"])
+                            continue
+                        if r.status_code != 200:
+                            raise bad(
+                                f"Image URL answered HTTP {r.status_code}: {url[:200]}",
+                                "messages",
+                            )
+                        declared = r.headers.get("content-length", "")
+                        if declared.isdigit() and int(declared) > limit:
+                            raise image_too_large(int(declared), limit)
+                        data = bytearray()
+                        async for chunk in r.aiter_bytes():
+                            data += chunk
+                            if len(data) > limit:
+                                raise image_too_large(len(data), limit)
+                        if not data:
+                            raise bad(f"Image URL returned no data: {url[:200]}", "messages")
+                        return bytes(data)
+                except httpx.HTTPError as err:
+                    raise bad(
+                        f"Image URL could not be fetched: {type(err).__name__}: {err}", "messages"
+                    ) from None
+            raise bad(f"Image URL redirected more than {MAX_REDIRECTS} times", "messages")

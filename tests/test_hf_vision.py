@@ -1,0 +1,264 @@
+"""Vision for real: a tiny LLaVA built locally from a config (no hub) served by hf_server,
+sent real PNGs; image limits; URL fetching off by default and never to private addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from solar_host.servers.hf_images import ImageLoader, ImagePolicy
+from solar_host.servers.hf_protocol import APIError, decode_data_uri, vision_messages
+from tests.fixtures.hf_models import tiny_vision_model  # noqa: F401 (fixture)
+from tests.test_hf_server import assert_error, launch, post, stop, wait_ready
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
+
+MAX_BYTES = 4096
+
+
+def png(w: int = 40, h: int = 30, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def noise_png(w: int, h: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    px = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def header_only_png(w: int, h: int) -> bytes:
+    """A PNG whose header claims w x h pixels, with almost no data (a decompression bomb's
+    shape: refused from its header, before any pixel is decoded)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\0" * 100))
+        + chunk(b"IEND", b"")
+    )
+
+
+def data_uri(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def chat(*urls: str, text: str = "what is this?", **extra) -> dict:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"messages": [{"role": "user", "content": parts}], "temperature": 0, **extra}
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vision_model: Path, tmp_path_factory):  # noqa: F811
+    logs = tmp_path_factory.mktemp("vlm-logs")
+    servers = {
+        "vlm": launch(
+            "huggingface_vision",
+            tiny_vision_model,
+            logs / "vlm.log",
+            alias="tiny-vlm",
+            max_images=2,
+            max_image_bytes=MAX_BYTES,
+        ),
+        "fetching": launch(
+            "huggingface_vision",
+            tiny_vision_model,
+            logs / "fetching.log",
+            alias="tiny-vlm-urls",
+            allow_image_urls=True,
+        ),
+    }
+    try:
+        wait_ready(list(servers.values()))
+        yield servers
+    finally:
+        stop(list(servers.values()))
+
+
+def test_real_png_gets_a_completion_with_image_tokens_counted(vlm, tiny_vision_model) -> None:  # noqa: F811
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    s = vlm["vlm"]
+    raw = png()
+    r = post(s, "/v1/chat/completions", chat(data_uri(raw), max_tokens=6))
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["model"] == "tiny-vlm" and j["choices"][0]["message"]["content"]
+    assert j["choices"][0]["finish_reason"] == "length"
+    # Usage as the processor counts it: the <image> placeholder becomes 16 image tokens.
+    proc = AutoProcessor.from_pretrained(tiny_vision_model)
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image"}]}
+    ]
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True)
+    ids = proc(text=[text], images=[Image.open(io.BytesIO(raw)).convert("RGB")])["input_ids"][0]
+    image_id = proc.tokenizer.convert_tokens_to_ids("<image>")
+    assert list(ids).count(image_id) == 16
+    u = j["usage"]
+    assert u["prompt_tokens"] == len(ids) and u["completion_tokens"] == 6
+    assert u["total_tokens"] == len(ids) + 6
+
+    # Two images count twice; a different image changes nothing in the counts.
+    r2 = post(
+        s,
+        "/v1/chat/completions",
+        chat(data_uri(raw), data_uri(png(color=(0, 0, 255))), max_tokens=3),
+    )
+    assert r2.status_code == 200, r2.text
+    assert r2.json()["usage"]["prompt_tokens"] == len(ids) + 16
+
+    # Streamed: the same text, token by token.
+    events = []
+    body = chat(data_uri(raw), max_tokens=6, stream=True)
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": "Bearer host-key-123"},
+        timeout=60,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(line)
+    import json
+
+    text_out = "".join(
+        json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events
+    )
+    assert text_out == j["choices"][0]["message"]["content"]
+
+
+def test_image_limits_are_4xx(vlm) -> None:
+    s = vlm["vlm"]
+    ok = data_uri(png())
+    err = assert_error(post(s, "/v1/chat/completions", chat(ok, ok, ok)), 400, "at most 2")
+    assert err["code"] == "too_many_images"
+    big = noise_png(64, 64)
+    assert len(big) > MAX_BYTES
+    err = assert_error(post(s, "/v1/chat/completions", chat(data_uri(big))), 413, "limit")
+    assert err["code"] == "image_too_large"
+    bomb = header_only_png(10_000, 10_000)
+    err = assert_error(post(s, "/v1/chat/completions", chat(data_uri(bomb))), 413, "pixels")
+    assert err["code"] == "image_too_large"
+    assert_error(
+        post(s, "/v1/chat/completions", chat(data_uri(b"not an image at all"))), 400, "decoded"
+    )
+    # Fetching is off unless the operator turns it on.
+    err = assert_error(
+        post(s, "/v1/chat/completions", chat("https://example.com/cat.png")), 400, "data: URIs"
+    )
+    assert err["code"] == "unsupported_image_url"
+    # Still serving.
+    assert post(s, "/v1/chat/completions", chat(ok, max_tokens=2)).status_code == 200
+
+
+def test_fetching_never_reaches_private_addresses(vlm) -> None:
+    s = vlm["fetching"]
+    for url in (
+        "http://127.0.0.1:9/cat.png",
+        "http://localhost:9/cat.png",
+        "http://[::1]:9/cat.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.1.2.3/x.png",
+        "http://[::ffff:127.0.0.1]:9/x.png",
+    ):
+        err = assert_error(post(s, "/v1/chat/completions", chat(url)), 400, "non-public")
+        assert err["code"] == "image_url_refused", url
+    # data: URIs still work there.
+    assert post(s, "/v1/chat/completions", chat(data_uri(png()), max_tokens=2)).status_code == 200
+
+
+async def test_fetch_follows_checked_redirects_and_caps_the_size() -> None:
+    """The fetch itself, against a real local HTTP server (the internet is not reachable here:
+    the address check is widened to loopback for this test only)."""
+    from aiohttp import web
+
+    image = png()
+    hits: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        hits.append(request.path)
+        if request.path == "/redirect":
+            raise web.HTTPFound("/cat.png")
+        if request.path == "/big":
+            return web.Response(body=b"x" * (MAX_BYTES + 1))
+        if request.path == "/cat.png":
+            assert request.headers["Host"].startswith("images.test")
+            return web.Response(body=image, content_type="image/png")
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        loopback_ok = ImagePolicy(
+            allow_urls=True, max_bytes=MAX_BYTES, address_ok=lambda a: a.is_loopback
+        )
+        loader = ImageLoader(loopback_ok)
+        # A name that resolves to loopback only through the check (as a public name would).
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def resolve(host, port_, **kw):
+            return await real("127.0.0.1" if host == "images.test" else host, port_, **kw)
+
+        loop.getaddrinfo = resolve  # type: ignore[method-assign]
+        try:
+            got = await loader.load([f"http://images.test:{port}/redirect"])
+            assert got == [image] and hits == ["/redirect", "/cat.png"]
+            with pytest.raises(APIError) as ei:
+                await loader.load([f"http://images.test:{port}/big"])
+            assert ei.value.status == 413
+            with pytest.raises(APIError) as ei:
+                await loader.load([f"http://images.test:{port}/missing"])
+            assert ei.value.status == 400 and "404" in ei.value.message
+        finally:
+            del loop.getaddrinfo
+        # The default policy refuses the same server before connecting.
+        before = len(hits)
+        with pytest.raises(APIError) as ei:
+            await ImageLoader(ImagePolicy(allow_urls=True)).load(
+                [f"http://127.0.0.1:{port}/cat.png"]
+            )
+        assert ei.value.code == "image_url_refused" and len(hits) == before
+    finally:
+        await runner.cleanup()
+
+
+def test_vision_parsing_counts_images_and_decodes_data_uris() -> None:
+    raw = b"\x89PNG fake"
+    uri = data_uri(raw)
+    msgs, urls = vision_messages(chat(uri))
+    assert urls == [uri] and decode_data_uri(uri) == raw
+    assert msgs[0]["content"] == [{"type": "text", "text": "what is this?"}, {"type": "image"}]
+    with pytest.raises(APIError) as ei:
+        vision_messages(chat(uri, uri, uri), max_images=2)
+    assert ei.value.code == "too_many_images"
+    with pytest.raises(APIError) as ei:
+        decode_data_uri(data_uri(b"x" * 5000), max_bytes=4096)
+    assert ei.value.status == 413
