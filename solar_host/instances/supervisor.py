@@ -13,9 +13,10 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 S = InstanceStatus
 
+T = TypeVar("T")
 HEALTH_POLL_S = 0.025
 METRICS_POLL_S = 2.0
 
@@ -45,6 +47,26 @@ class AttemptFailed(Exception):
         self.exit_code = exit_code
         self.retryable = retryable
         super().__init__(reason)
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) -> T:
+    """`fn(*args)` in a worker thread. A cancelled caller cannot stop the thread, so what it
+    did (spawned a process, claimed a port) is undone by `undo(result)` once it finishes."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            result = await fut
+            undone = undo(result)
+            if asyncio.iscoroutine(undone):
+                await undone
+        raise
+
+
+async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
+    """A backend spawned for a start that was cancelled meanwhile: nobody will manage it."""
+    await procs.terminate(proc, 1.0)
 
 
 class Supervisor:
@@ -184,7 +206,12 @@ class Supervisor:
         backend = self.backend()
         # Port: an explicit one is honoured when free (else a clear conflict, not retried).
         if config.port:
-            holder = await asyncio.to_thread(self.m.ports.holder, config.port, config.host)
+            holder = await _off_loop(
+                self.m.ports.holder,
+                config.port,
+                config.host,
+                undo=lambda h: h is None and self.m.ports.release(config.port),
+            )
             if holder is not None:
                 raise InstanceConflict(f"Port {config.port} is already in use by {holder}")
             port = config.port
@@ -240,7 +267,7 @@ class Supervisor:
         spawned_at = time.monotonic()
         try:
             # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
-            proc = await asyncio.to_thread(procs.spawn, spec.argv, env, log_path)
+            proc = await _off_loop(procs.spawn, spec.argv, env, log_path, undo=_kill_unrecorded)
         except OSError as err:
             self.m.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
