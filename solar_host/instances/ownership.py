@@ -158,8 +158,8 @@ def key_fingerprint(host_id: str, key: str) -> str:
 # --- what of ours runs here ------------------------------------------------------------------
 
 
-def _pids() -> list[int]:
-    me = os.getpid()
+def _pids(*, include_self: bool = False) -> list[int]:
+    me = -1 if include_self else os.getpid()
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -269,7 +269,7 @@ def port_holders(port: int) -> list[int]:
     inodes = listener_inodes(port)
     if not inodes:
         return []
-    return [pid for pid in _pids() if _holds_socket(pid, inodes)]
+    return [pid for pid in _pids(include_self=True) if _holds_socket(pid, inodes)]
 
 
 def describe(pid: int) -> str:
