@@ -478,3 +478,61 @@ def test_old_process_records_still_load() -> None:
     assert me is not None and ownership.is_same(me)
     assert not ownership.is_same(ownership.Identity(me.boot_id, me.pid, me.start_ticks + 1))
     assert not ownership.is_same(ownership.Identity("another-boot", me.pid, me.start_ticks))
+
+
+# --- the loop never blocks on a spawn --------------------------------------------------------
+
+
+async def test_200_concurrent_starts_do_not_stall_the_loop(tmp_path: Path) -> None:
+    """Spawning (fork/exec, /proc reads) runs off the event loop: while 200 starts spawn at
+    once, the loop never stalls and /health answers."""
+    import asyncio
+
+    from solar_host.backends.registry import BackendRegistry
+    from tests.fixtures.host import host_settings, running_host
+    from tests.fixtures.script_backend import ScriptBackend
+
+    n = 200
+    # A backend that never gets ready and costs nothing: the point is the spawn itself.
+    idle = ["/bin/sh", "-c", "exec sleep 300", "sh"]
+    settings = host_settings(
+        tmp_path, instance_ready_timeout_s=300.0, max_retries=0, stop_grace_s=1.0
+    )
+    async with running_host(settings, backends=BackendRegistry([ScriptBackend()])) as h:
+        m = h.instances
+        ids = [
+            (await m.create(script_config(tmp_path, alias=f"s{i}", fake_wrapper=idle))).id
+            for i in range(n)
+        ]
+        lag = 0.0
+        health: list[float] = []
+
+        async def watch(done: asyncio.Event) -> None:
+            nonlocal lag
+            async with httpx.AsyncClient(base_url=h.url, timeout=30) as probe:
+                while not done.is_set():
+                    t0 = time.monotonic()
+                    await asyncio.sleep(0.01)
+                    lag = max(lag, time.monotonic() - t0 - 0.01)
+                    t0 = time.monotonic()
+                    assert (await probe.get("/health")).status_code == 200
+                    health.append(time.monotonic() - t0)
+
+        done = asyncio.Event()
+        watcher = asyncio.create_task(watch(done))
+        t0 = time.monotonic()
+        starts = [asyncio.create_task(m.start(iid)) for iid in ids]
+        while sum(1 for i in m.list() if i.pid) < n and time.monotonic() - t0 < 120:
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t0
+        done.set()
+        await watcher
+        assert len(ownership.ours_running(m.host_id)) == n
+        # Spawning (or reading /proc) on the loop stalled it for seconds: every start reaches
+        # it in the same loop pass. The bound leaves room for a machine that is very loaded.
+        assert lag < 1.5, f"the loop stalled {lag:.3f}s while {n} starts spawned ({took:.1f}s)"
+        assert health and max(health) < 1.5, max(health)
+        await asyncio.gather(*(m.stop(iid) for iid in ids))
+        await asyncio.gather(*starts, return_exceptions=True)
+        assert all(i.status == "stopped" for i in m.list())
+        assert ownership.ours_running(m.host_id) == {}

@@ -302,9 +302,10 @@ class InstanceManager:
         task.add_done_callback(self._pending_saves.discard)
 
     def _held_ports(self) -> set[int]:
+        # Called from the port allocator's worker thread: iterate over a copy.
         return {
             s.instance.port
-            for s in self.supervisors.values()
+            for s in list(self.supervisors.values())
             if s.instance.port is not None and s.instance.status in ACTIVE
         }
 

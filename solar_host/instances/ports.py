@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from collections.abc import Callable, Iterable
 
 from solar_host.instances import ownership
@@ -46,11 +47,18 @@ class PortAllocator:
         self.end_port = end_port
         self.held = held
         self._claimed: set[int] = set()  # handed out but not yet visible through held()
+        # allocate/holder read /proc and bind test sockets, so callers run them in worker
+        # threads: one at a time, so two never hand out the same port.
+        self._lock = threading.Lock()
 
     def _bind_hosts(self, host: str) -> tuple[str, ...]:
         return ("0.0.0.0",) if host in ("0.0.0.0", "", "::") else ("0.0.0.0", host)
 
     def allocate(self, host: str, avoid: set[int] | None = None) -> int:
+        with self._lock:
+            return self._allocate(host, avoid)
+
+    def _allocate(self, host: str, avoid: set[int] | None) -> int:
         taken = self.held() | self._claimed | (avoid or set())
         listening = set(ownership.listeners())
         for port in range(self.start_port, self.end_port + 1):
@@ -68,6 +76,10 @@ class PortAllocator:
     def holder(self, port: int, host: str) -> str | None:
         """Claim an explicit port, or say who has it: None when claimed, else a description
         for the 409 (another instance, or the pid listening on it where it can be read)."""
+        with self._lock:
+            return self._holder(port, host)
+
+    def _holder(self, port: int, host: str) -> str | None:
         if port in self.held() or port in self._claimed:
             return "another instance"
         if not port_is_free(port, self._bind_hosts(host)):
@@ -80,8 +92,10 @@ class PortAllocator:
 
     def claim_adopted(self, port: int) -> None:
         """A re-adopted backend already holds its port: record it without a bind test."""
-        self._claimed.add(port)
+        with self._lock:
+            self._claimed.add(port)
 
     def release(self, port: int | None) -> None:
         if port is not None:
-            self._claimed.discard(port)
+            with self._lock:
+                self._claimed.discard(port)

@@ -38,6 +38,7 @@ S = InstanceStatus
 
 T = TypeVar("T")
 HEALTH_POLL_S = 0.025
+HEALTH_POLL_MAX_S = 0.25
 METRICS_POLL_S = 2.0
 
 
@@ -216,7 +217,7 @@ class Supervisor:
                 raise InstanceConflict(f"Port {config.port} is already in use by {holder}")
             port = config.port
         else:
-            port = self.m.ports.allocate(config.host)
+            port = await _off_loop(self.m.ports.allocate, config.host, undo=self.m.ports.release)
         ctx = LaunchContext(
             instance_id=self.id,
             port=port,
@@ -384,10 +385,14 @@ class Supervisor:
     async def _poll_health(self, host: str, port: int, path: str) -> None:
         addr = probe_address(host)
         bearer = self._bearer()
+        t0 = time.monotonic()
         while True:
             if await is_healthy(addr, port, path, bearer, timeout=1.0):
                 return
-            await asyncio.sleep(HEALTH_POLL_S)
+            # Fast at first (small models are ready in a second), slower for a long load: 200
+            # backends loading at once must not keep the loop busy with probes.
+            elapsed = time.monotonic() - t0
+            await asyncio.sleep(min(HEALTH_POLL_MAX_S, HEALTH_POLL_S * (1.0 + elapsed * 2)))
 
     async def _teardown_attempt(self, proc: procs.BackendProcess, port: int) -> None:
         code = await procs.terminate(proc, min(self.m.settings.stop_grace_s, 5.0))
