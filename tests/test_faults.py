@@ -58,6 +58,16 @@ def check_consistent(h: HostProc, insts: dict[str, dict[str, Any]]) -> list[str]
     manifest = h.tmp / "models" / "manifest.json"
     if manifest.exists():
         json.loads(manifest.read_text())
+
+    def unmanaged() -> list[psutil.Process]:
+        return [
+            p for p in h.backends() if insts.get(owner(p), {}).get("status") not in ("running",)
+        ]
+
+    # The boot sweep of strays runs after the host serves (it may wait out a SIGTERM grace).
+    deadline = time.monotonic() + 15
+    while unmanaged() and time.monotonic() < deadline:
+        time.sleep(0.05)
     procs = h.backends()
     by_owner: dict[str, list[int]] = {}
     for p in procs:

@@ -21,6 +21,7 @@ from typing import Any
 from solar_host.backends.base import HostFacts
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
+from solar_host.instances import ownership
 from solar_host.instances import process as procs
 from solar_host.instances.errors import (
     InstanceConflict,
@@ -84,6 +85,14 @@ class InstanceManager:
         # Set by a hand-over restart (Host.hand_over_backends): the coming shutdown leaves
         # every backend serving for the next host process, whatever KEEP_BACKENDS_ON_SHUTDOWN.
         self.hand_over = False
+        # This state directory's id (ownership.load_host_id): part of every backend's marker.
+        self.host_id = ""
+
+    def marker(self, instance_id: str) -> str:
+        return ownership.marker(self.host_id, instance_id)
+
+    def key_hash(self, key: str) -> str:
+        return ownership.key_fingerprint(self.host_id, key)
 
     # --- lifecycle of the service ----------------------------------------------------------------
 
@@ -92,6 +101,7 @@ class InstanceManager:
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
+        self.host_id = await asyncio.to_thread(ownership.load_host_id, self.settings.config_file)
         result = await asyncio.to_thread(self.store.load)
         if result.roles:
             self.roles = result.roles
@@ -102,26 +112,26 @@ class InstanceManager:
         self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
 
     async def _recover(self) -> list[Supervisor]:
-        """Re-adopt what still runs, stop what nobody owns; return what must start again.
+        """Re-adopt what still runs; return what must start again.
 
-        Awaited before the host serves, so the first answer it gives already tells the truth
-        (no instance shown stopped while its backend still runs, or the other way round).
+        Awaited before the host serves, so the first answer it gives already tells the truth;
+        kept fast (identity, marker and listener from /proc, no HTTP, no waiting on a
+        backend): health checks, readiness of backends still loading, stops to finish and
+        the sweep of strays all continue in the background.
         """
 
-        async def adopt(sup: Supervisor) -> bool:
-            if sup.stored.process is None:
-                return False
+        async def adopt(sup: Supervisor) -> str:
             try:
                 return await sup.adopt()
             except Exception:
                 log.exception("re-adoption of %s failed", sup.id)
-                return False
+                return "gone"
 
         sups = list(self.supervisors.values())
-        adopted = await asyncio.gather(*(adopt(s) for s in sups))
+        outcomes = await asyncio.gather(*(adopt(s) for s in sups))
         to_start: list[Supervisor] = []
-        for sup, ok in zip(sups, adopted, strict=True):
-            if ok:
+        for sup, outcome in zip(sups, outcomes, strict=True):
+            if outcome != "gone":
                 continue
             inst = sup.instance
             if inst.status in ACTIVE:
@@ -135,12 +145,18 @@ class InstanceManager:
         # Written when re-adoption or the load changed anything (an older format, a backend
         # gone); a restart that finds everything as recorded writes nothing (store.on_disk).
         await self.persist()
-        await self._reap_orphans()
-        self._sweep_prompt_caches([s for s, ok in zip(sups, adopted, strict=True) if ok])
+        self._sweep_prompt_caches(
+            [s for s, o in zip(sups, outcomes, strict=True) if o in ("running", "starting")]
+        )
         return to_start
 
     async def _boot(self, to_start: list[Supervisor]) -> None:
-        """Start (in the background, bounded) what should run but does not."""
+        """Background half of boot: stop strays of ours, start what should run but does not,
+        then restart (one at a time) adopted backends that hold an outdated API key."""
+        try:
+            await self._sweep_strays()
+        except Exception:
+            log.exception("the sweep of unmanaged backends failed")
         sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
 
         async def start_one(sup: Supervisor) -> None:
@@ -152,23 +168,58 @@ class InstanceManager:
 
         await asyncio.gather(*(start_one(s) for s in to_start))
         self.boot_done.set()
+        await self._restart_outdated_keys()
 
-    async def _reap_orphans(self) -> None:
-        """Stop backends that write into our LOG_DIR but that no instance owns.
+    async def _sweep_strays(self) -> None:
+        """Stop processes that carry this host's marker but that no recorded instance owns.
 
-        A host killed between spawning a backend and recording it (or while deleting an
-        instance) leaves such a process behind: it is ours, because its output goes to one of
-        our log files, and nothing will ever manage it.
+        A host killed between spawning a backend and recording it, while deleting an instance,
+        or after a backend crashed leaving workers behind, leaves such processes: they are
+        ours (the marker says so) and nothing would ever manage them. Nothing without this
+        host's marker is touched, whatever directory its log is in.
         """
-        owned = {s.proc.pid for s in self.supervisors.values() if s.proc is not None}
-        writers = await asyncio.to_thread(procs.log_writers, self.settings.log_dir)
-        for pid, path in writers.items():
-            if pid in owned:
+        ours = await asyncio.to_thread(ownership.ours_running, self.host_id)
+        strays: list[ownership.Identity] = []
+        for iid, idents in ours.items():
+            sup = self.supervisors.get(iid)
+            if sup is not None and sup.start_task is not None and not sup.start_task.done():
+                if sup.proc is None or sup.proc.is_child:
+                    continue  # a start in flight: what it spawns is its own
+            owner = sup.proc if sup is not None else None
+            for ident in idents:
+                # The adopted backend and the workers it started since (a worker older than it
+                # is a leftover of an earlier backend of the same instance).
+                if owner is not None and ident.start_ticks >= owner.start_ticks:
+                    continue
+                strays.append(ident)
+        if not strays:
+            return
+        for ident in strays:
+            log.warning(
+                "stopping unmanaged backend pid %s (it carries this host's marker)", ident.pid
+            )
+        await procs.end_processes(strays, self.settings.stop_grace_s)
+
+    async def _restart_outdated_keys(self) -> None:
+        """A backend accepts the key it was spawned with: after API_KEY changed, restart it so
+        that what GET /instances advertises is what it accepts (one at a time)."""
+        current = self.key_hash(self.api_key())
+        for sup in list(self.supervisors.values()):
+            rec = sup.stored.process
+            if rec is None or rec.key_hash is None or rec.key_hash == current:
                 continue
-            log.warning("stopping unmanaged backend pid %s (it writes %s)", pid, path.name)
-            orphan = procs.adopt_any(pid)
-            if orphan is not None:
-                await procs.terminate(orphan, self.settings.stop_grace_s)
+            if sup.status not in (S.RUNNING, S.STARTING) or sup.deleted:
+                continue
+            log.warning(
+                "restarting %s (%s): its backend was started with an API key that is no longer "
+                "the host's",
+                sup.id,
+                sup.instance.config.alias,
+            )
+            try:
+                await self.restart(sup.id)
+            except Exception as err:
+                log.error("restart of %s for the new API key failed: %s", sup.id, err)
 
     def _sweep_prompt_caches(self, adopted: list[Supervisor]) -> None:
         """Leftover SGLang caches go, after re-adoption so a live backend keeps its own."""
@@ -254,9 +305,10 @@ class InstanceManager:
         task.add_done_callback(self._pending_saves.discard)
 
     def _held_ports(self) -> set[int]:
+        # Called from the port allocator's worker thread: iterate over a copy.
         return {
             s.instance.port
-            for s in self.supervisors.values()
+            for s in list(self.supervisors.values())
             if s.instance.port is not None and s.instance.status in ACTIVE
         }
 
@@ -460,7 +512,9 @@ class InstanceManager:
 
     async def restart(self, instance_id: str) -> Instance:
         sup = self._sup(instance_id)
-        await sup.stop()
+        # The intent stays "running" through the stop (and is on disk before the signal): a
+        # host that dies mid-restart finishes the stop at boot and then starts it again.
+        await sup.stop(forget_intent=False)
         return await sup.start()
 
     # --- logs and telemetry ----------------------------------------------------------------------

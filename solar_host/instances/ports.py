@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import errno
 import socket
+import threading
 from collections.abc import Callable, Iterable
 
+from solar_host.instances import ownership
 
-def port_is_free(port: int, hosts: Iterable[str] = ("0.0.0.0",)) -> bool:
-    """True when a listener could bind `port` on every one of `hosts` right now."""
+
+def port_is_free(
+    port: int, hosts: Iterable[str] = ("0.0.0.0",), listening: set[int] | None = None
+) -> bool:
+    """True when nobody listens on `port` (any address, IPv4 or IPv6) and a listener could
+    bind it on every one of `hosts` right now. `listening`: the listening ports, when the
+    caller read them already."""
+    if listening is None:
+        listening = set(ownership.listeners())
+    if port in listening:
+        return False  # e.g. someone on [::1] only, which an IPv4 bind test does not see
     for host in hosts:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
@@ -36,33 +47,55 @@ class PortAllocator:
         self.end_port = end_port
         self.held = held
         self._claimed: set[int] = set()  # handed out but not yet visible through held()
+        # allocate/holder read /proc and bind test sockets, so callers run them in worker
+        # threads: one at a time, so two never hand out the same port.
+        self._lock = threading.Lock()
 
     def _bind_hosts(self, host: str) -> tuple[str, ...]:
         return ("0.0.0.0",) if host in ("0.0.0.0", "", "::") else ("0.0.0.0", host)
 
     def allocate(self, host: str, avoid: set[int] | None = None) -> int:
+        with self._lock:
+            return self._allocate(host, avoid)
+
+    def _allocate(self, host: str, avoid: set[int] | None) -> int:
         taken = self.held() | self._claimed | (avoid or set())
+        listening = set(ownership.listeners())
         for port in range(self.start_port, self.end_port + 1):
             if port in taken:
                 continue
-            if port_is_free(port, self._bind_hosts(host)):
+            if port_is_free(port, self._bind_hosts(host), listening):
                 self._claimed.add(port)
                 return port
         raise RuntimeError(f"no free port from {self.start_port} to {self.end_port}")
 
     def claim(self, port: int, host: str) -> bool:
         """Claim an explicit port; False when another instance or process has it."""
+        return self.holder(port, host) is None
+
+    def holder(self, port: int, host: str) -> str | None:
+        """Claim an explicit port, or say who has it: None when claimed, else a description
+        for the 409 (another instance, or the pid listening on it where it can be read)."""
+        with self._lock:
+            return self._holder(port, host)
+
+    def _holder(self, port: int, host: str) -> str | None:
         if port in self.held() or port in self._claimed:
-            return False
+            return "another instance"
         if not port_is_free(port, self._bind_hosts(host)):
-            return False
+            pids = ownership.port_holders(port)
+            if pids:
+                return "pid " + ", ".join(ownership.describe(p) for p in pids)
+            return "another process"
         self._claimed.add(port)
-        return True
+        return None
 
     def claim_adopted(self, port: int) -> None:
         """A re-adopted backend already holds its port: record it without a bind test."""
-        self._claimed.add(port)
+        with self._lock:
+            self._claimed.add(port)
 
     def release(self, port: int | None) -> None:
         if port is not None:
-            self._claimed.discard(port)
+            with self._lock:
+                self._claimed.discard(port)

@@ -1,8 +1,8 @@
-"""Backend processes: spawn detached from the host, recognise them again, signal their group.
+"""Backend processes: spawn them detached from the host, signal and end their whole tree.
 
 A backend runs in its own session and process group with its output appended to its log file,
-so it never waits on the host and keeps serving when the host dies. Identity is (pid, start time,
-command line): a recorded pid alone could belong to another process by now.
+so it never waits on the host and keeps serving when the host dies. Whether a process is (still)
+our backend is ownership.py's question; this module only acts on the answer.
 """
 
 from __future__ import annotations
@@ -13,43 +13,35 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+from solar_host.instances import ownership
+from solar_host.instances.ownership import Identity
 
 log = logging.getLogger(__name__)
-
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22).
-
-    Unlike psutil's create_time, which adds the boot time as the wall clock sees it *now*,
-    this never moves when the clock is adjusted, so it identifies a process exactly across
-    host restarts.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    try:
-        fields = data[data.rindex(b")") + 2 :].split()
-        return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
-    except (ValueError, IndexError):
-        return None
 
 
 @dataclass(slots=True)
 class BackendProcess:
     """A backend process the host owns, spawned now (`popen` set) or re-adopted."""
 
-    pid: int
-    create_time: float
-    cmdline: list[str]
+    identity: Identity
+    # MARKER_VAR's value in its environment (None: adopted from a record older than markers).
+    marker: str | None
+    create_time: float = 0.0
+    cmdline: list[str] = field(default_factory=list)  # for display, never for identity
     popen: subprocess.Popen[bytes] | None = None
-    start_ticks: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.identity.pid
+
+    @property
+    def start_ticks(self) -> int:
+        return self.identity.start_ticks
 
     @property
     def is_child(self) -> bool:
@@ -58,7 +50,7 @@ class BackendProcess:
     def alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        return identity_matches(self.pid, self.create_time, self.cmdline, self.start_ticks)
+        return ownership.is_same(self.identity)
 
     def exit_code(self) -> int | None:
         if self.popen is not None:
@@ -67,7 +59,10 @@ class BackendProcess:
 
 
 def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendProcess:
-    """Start `argv` in a new session with stdout+stderr appended to `log_path`."""
+    """Start `argv` in a new session with stdout+stderr appended to `log_path`.
+
+    Blocking (fork/exec, /proc reads): call it through asyncio.to_thread.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     try:
@@ -82,107 +77,68 @@ def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendPro
         )
     finally:
         os.close(fd)
-    # Popen returns after exec, so this is the backend's own identity (for a script with a
-    # shebang the kernel shows the interpreter first: record what the kernel shows).
-    create_time, cmdline = 0.0, list(argv)
-    with contextlib.suppress(psutil.Error):
-        p = psutil.Process(popen.pid)
-        create_time, cmdline = p.create_time(), p.cmdline() or cmdline
+    # Popen returns after exec; the start time never changes after that, whatever the backend
+    # execs next, so the identity taken now is the one re-adoption will find.
+    ticks = ownership.start_ticks(popen.pid)
+    identity = Identity(ownership.boot_id(), popen.pid, ticks if ticks is not None else -1)
+    create_time = time.time()
+    with contextlib.suppress(OSError):
+        create_time = os.stat(f"/proc/{popen.pid}").st_mtime
     return BackendProcess(
-        pid=popen.pid,
+        identity=identity,
+        marker=env.get(ownership.MARKER_VAR),
         create_time=create_time,
-        cmdline=cmdline,
+        cmdline=list(argv),
         popen=popen,
-        start_ticks=start_ticks(popen.pid),
     )
 
 
-def identity_matches(
-    pid: int, create_time: float, cmdline: list[str], ticks: int | None = None
-) -> bool:
-    """True when `pid` is still the very process recorded (not a recycled pid)."""
-    try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        if ticks is not None:
-            if start_ticks(pid) != ticks:
-                return False
-        elif abs(p.create_time() - create_time) > 1.0:
-            return False  # no tick count recorded: the wall-clock start time, loosely
-        return p.cmdline() == cmdline
-    except (psutil.Error, OSError):
-        return False
+def _signal(ident: Identity, sig: int) -> None:
+    if ownership.is_same(ident):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(ident.pid, sig)
 
 
-def adopt(
-    pid: int, create_time: float, cmdline: list[str], ticks: int | None = None
-) -> BackendProcess | None:
-    if identity_matches(pid, create_time, cmdline, ticks):
-        return BackendProcess(pid=pid, create_time=create_time, cmdline=cmdline, start_ticks=ticks)
-    return None
-
-
-def adopt_any(pid: int) -> BackendProcess | None:
-    """Wrap a live process by pid alone (its identity is taken from it now)."""
-    try:
-        p = psutil.Process(pid)
-        return BackendProcess(
-            pid=pid, create_time=p.create_time(), cmdline=p.cmdline(), start_ticks=start_ticks(pid)
-        )
-    except (psutil.Error, OSError):
-        return None
-
-
-def log_writers(log_dir: Path) -> dict[int, Path]:
-    """Process-group leaders whose stdout is a file in `log_dir` (backends we spawned)."""
-    try:
-        root = log_dir.resolve()
-    except OSError:
-        return {}
-    found: dict[int, Path] = {}
-    me = os.getpid()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        if pid == me:
-            continue
-        try:
-            target = Path(os.readlink(f"/proc/{pid}/fd/1"))
-            if target.parent != root or target.suffix != ".log":
-                continue
-            if os.getpgid(pid) != pid:
-                continue  # a worker of a backend: its group leader is what we stop
-        except OSError:
-            continue
-        found[pid] = target
-    return found
-
-
-def signal_group(proc: BackendProcess, sig: int) -> None:
-    """Signal the backend's whole process group (its workers too), never another process."""
-    if not proc.alive():
-        return
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    try:
-        if pgid == proc.pid:
-            os.killpg(pgid, sig)
-        else:  # not a group leader (should not happen): signal the process alone
-            os.kill(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError as err:
-        log.warning("cannot signal backend pid %s: %s", proc.pid, err)
-
-
-def kill_group_leftovers(pgid: int) -> None:
-    """SIGKILL whatever is left of a process group (workers that outlived their leader)."""
+def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
+
+
+def _strays(proc: BackendProcess) -> list[Identity]:
+    """Processes of the backend that a group signal may miss: workers that called setsid(),
+    and the group's members once its leader is gone. Blocking."""
+    out: dict[int, Identity] = {}
+    if proc.marker is not None:
+        for ident in ownership.carriers(proc.marker):
+            out[ident.pid] = ident
+        # A group whose leader died keeps its id, and the kernel hands out no pid while the
+        # group exists; members that carry the marker are the backend's workers.
+        for pid in ownership.group_members(proc.pid):
+            ident = ownership.identity_of(pid)
+            if ident is not None and ownership.is_ours(pid, proc.marker):
+                out[pid] = ident
+    out.pop(proc.pid, None)
+    return list(out.values())
+
+
+def signal_tree(proc: BackendProcess, sig: int) -> None:
+    """Signal the backend's process group and every process carrying its marker. Blocking."""
+    if proc.alive():
+        # The leader is alive, so its group id (its pid, from start_new_session) is ours.
+        _signal_group(proc.pid, sig)
+    for ident in _strays(proc):
+        _signal(ident, sig)
+
+
+def kill_leftovers(proc: BackendProcess) -> None:
+    """SIGKILL whatever is left of the backend. Blocking."""
+    signal_tree(proc, signal.SIGKILL)
+
+
+def end_identities(idents: list[Identity]) -> None:
+    """SIGKILL exactly these processes (each checked to still be itself). Blocking."""
+    for ident in idents:
+        _signal(ident, signal.SIGKILL)
 
 
 async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
@@ -194,6 +150,9 @@ async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
         fd = os.pidfd_open(proc.pid)
     except (ProcessLookupError, OSError):
         fd = -1
+    if fd >= 0 and proc.popen is None and not proc.alive():
+        os.close(fd)  # the pid was reused already: ours is gone
+        return True
     if fd >= 0:
         loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
     try:
@@ -226,17 +185,46 @@ async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
     return True
 
 
+async def _wait_gone(idents: list[Identity], timeout: float) -> list[Identity]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [i for i in idents if ownership.is_same(i)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.05)
+
+
 async def terminate(proc: BackendProcess, grace_s: float) -> int | None:
-    """SIGTERM the group, wait `grace_s`, then SIGKILL. Returns the exit code when known."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        pgid = None
-    signal_group(proc, signal.SIGTERM)
+    """End the backend's whole tree: SIGTERM, `grace_s` for the backend to exit, then SIGKILL
+    for the backend and every process of its group or carrying its marker. Returns the exit
+    code when known."""
+    await asyncio.to_thread(signal_tree, proc, signal.SIGTERM)
     if not await wait_exit(proc, grace_s):
         log.warning("backend pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, grace_s)
-        signal_group(proc, signal.SIGKILL)
+        await asyncio.to_thread(signal_tree, proc, signal.SIGKILL)
         await wait_exit(proc, 10.0)
-    if pgid is not None:
-        kill_group_leftovers(pgid)
+    await end_tree_leftovers(proc)
     return proc.exit_code()
+
+
+async def end_tree_leftovers(proc: BackendProcess) -> None:
+    """After the backend itself exited (stopped or crashed): no worker of it may survive."""
+    strays = await asyncio.to_thread(_strays, proc)
+    if proc.alive():
+        _signal_group(proc.pid, signal.SIGKILL)
+    await asyncio.to_thread(end_identities, strays)
+    left = await _wait_gone(strays, 5.0)
+    if left:
+        log.warning(
+            "workers %s of backend pid %s survived SIGKILL", [i.pid for i in left], proc.pid
+        )
+
+
+async def end_processes(idents: list[Identity], grace_s: float) -> None:
+    """Stop stray processes of ours (the boot sweep): SIGTERM, `grace_s`, SIGKILL."""
+    for ident in idents:
+        _signal(ident, signal.SIGTERM)
+    left = await _wait_gone(idents, grace_s)
+    if left:
+        await asyncio.to_thread(end_identities, left)
+        await _wait_gone(left, 5.0)

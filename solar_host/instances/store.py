@@ -31,10 +31,17 @@ class ProcessRecord(BaseModel):
     """What identifies a backend process across host restarts (for re-adoption)."""
 
     pid: int
-    create_time: float
+    create_time: float = 0.0
     start_ticks: int | None = None  # /proc start time in ticks: exact across clock changes
-    cmdline: list[str]
+    # With pid and start_ticks, the process's identity (ownership.Identity). None: a record
+    # written before boot ids were kept.
+    boot_id: str | None = None
+    # MARKER_VAR's value the backend was spawned with (None: a record older than markers).
+    marker: str | None = None
+    cmdline: list[str] = []  # what was run, for display: an exec wrapper changes it
     port: int
+    # ownership.key_fingerprint of the host API key the backend was given (never the key).
+    key_hash: str | None = None
     log_file: str | None = None
     spawned_at: str | None = None
     # seq of the first line of this log file, so seqs continue after a re-adoption.

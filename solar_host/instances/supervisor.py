@@ -12,12 +12,14 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
+from solar_host.instances import ownership
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -39,7 +41,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 S = InstanceStatus
 
+T = TypeVar("T")
 HEALTH_POLL_S = 0.025
+HEALTH_POLL_MAX_S = 0.25
 METRICS_POLL_S = 2.0
 
 
@@ -49,6 +53,26 @@ class AttemptFailed(Exception):
         self.exit_code = exit_code
         self.retryable = retryable
         super().__init__(reason)
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) -> T:
+    """`fn(*args)` in a worker thread. A cancelled caller cannot stop the thread, so what it
+    did (spawned a process, claimed a port) is undone by `undo(result)` once it finishes."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            result = await fut
+            undone = undo(result)
+            if asyncio.iscoroutine(undone):
+                await undone
+        raise
+
+
+async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
+    """A backend spawned for a start that was cancelled meanwhile: nobody will manage it."""
+    await procs.terminate(proc, 1.0)
 
 
 class Supervisor:
@@ -72,6 +96,9 @@ class Supervisor:
         self._ready: asyncio.Event | None = None
         self._backend: Backend | None = None
         self.deleted = False
+        self._adopt_task: asyncio.Task[Any] | None = None
+        # Set by detach(): an interrupted start leaves its backend to the next host process.
+        self._detaching = False
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -185,13 +212,17 @@ class Supervisor:
         backend = self.backend()
         # Port: an explicit one is honoured when free (else a clear conflict, not retried).
         if config.port:
-            if not self.m.ports.claim(config.port, config.host):
-                raise InstanceConflict(
-                    f"Port {config.port} is already in use by another instance or process"
-                )
+            holder = await _off_loop(
+                self.m.ports.holder,
+                config.port,
+                config.host,
+                undo=lambda h: h is None and self.m.ports.release(config.port),
+            )
+            if holder is not None:
+                raise InstanceConflict(f"Port {config.port} is already in use by {holder}")
             port = config.port
         else:
-            port = self.m.ports.allocate(config.host)
+            port = await _off_loop(self.m.ports.allocate, config.host, undo=self.m.ports.release)
         ctx = LaunchContext(
             instance_id=self.id,
             port=port,
@@ -232,6 +263,8 @@ class Supervisor:
         env = backend_environment(
             spec, passthrough=parse_passthrough(settings.backend_env_passthrough)
         )
+        # Ours, provably: exec and fork keep it; ownership.py reads it back from /proc.
+        env[ownership.MARKER_VAR] = self.m.marker(self.id)
 
         if self.deleted:
             self.m.ports.release(port)
@@ -241,7 +274,8 @@ class Supervisor:
         spawned_at = time.monotonic()
         try:
             write_private_files(spec.private_files)
-            proc = procs.spawn(spec.argv, env, log_path)
+            # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
+            proc = await _off_loop(procs.spawn, spec.argv, env, log_path, undo=_kill_unrecorded)
         except OSError as err:
             self.m.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
@@ -251,8 +285,11 @@ class Supervisor:
             pid=proc.pid,
             create_time=proc.create_time,
             start_ticks=proc.start_ticks,
+            boot_id=proc.identity.boot_id,
+            marker=proc.marker,
             cmdline=proc.cmdline,
             port=port,
+            key_hash=self.m.key_hash(ctx.host_api_key),
             log_file=str(log_path),
             spawned_at=datetime.now(UTC).isoformat(),
             seq_base=seq_base,
@@ -265,6 +302,10 @@ class Supervisor:
             # the backend at boot (the backend loads its model meanwhile, so this costs no time).
             await self.m.persist()
             await self._wait_ready(proc, backend, config.host, port, timeout)
+        except asyncio.CancelledError:
+            if not self._detaching:
+                await self._teardown_attempt(proc, port)
+            raise
         except BaseException:
             await self._teardown_attempt(proc, port)
             raise
@@ -297,6 +338,7 @@ class Supervisor:
     ) -> None:
         assert self._ready is not None
         ready = self._ready
+        deadline = time.monotonic() + timeout
         waiters: list[asyncio.Task[Any]] = [
             asyncio.create_task(ready.wait()),
             asyncio.create_task(procs.wait_exit(proc)),
@@ -313,6 +355,7 @@ class Supervisor:
             await asyncio.gather(*waiters, return_exceptions=True)
         ready_seen = waiters[0] in done or (len(waiters) > 2 and waiters[2] in done)
         if ready_seen and proc.alive():
+            await self._prove_listener(proc, port, deadline)
             return
         if not proc.alive() or waiters[1] in done:
             await procs.wait_exit(proc, 1.0)
@@ -325,13 +368,38 @@ class Supervisor:
             )
         raise AttemptFailed(f"Backend did not report readiness within {timeout:.0f}s", None)
 
+    async def _prove_listener(self, proc: procs.BackendProcess, port: int, deadline: float) -> None:
+        """Ready only when the socket listening on `port` is the backend's own: a 200 from
+        another program on the port (one that bound it first) proves nothing."""
+        while True:
+            if await asyncio.to_thread(ownership.owns_port, proc.identity, port, proc.marker):
+                return
+            if not proc.alive():
+                code = proc.exit_code()
+                self.last_exit_code = code
+                raise AttemptFailed(
+                    f"Process exited with code {code}" if code is not None else "Process exited",
+                    code,
+                )
+            if time.monotonic() >= deadline:
+                holders = await asyncio.to_thread(ownership.port_holders, port)
+                who = ", ".join(ownership.describe(p) for p in holders) or "nobody"
+                raise AttemptFailed(
+                    f"Port {port} is not the backend's: it is listened on by {who}", None
+                )
+            await asyncio.sleep(HEALTH_POLL_S * 2)
+
     async def _poll_health(self, host: str, port: int, path: str) -> None:
         addr = probe_address(host)
         bearer = self._bearer()
+        t0 = time.monotonic()
         while True:
             if await is_healthy(addr, port, path, bearer, timeout=1.0):
                 return
-            await asyncio.sleep(HEALTH_POLL_S)
+            # Fast at first (small models are ready in a second), slower for a long load: 200
+            # backends loading at once must not keep the loop busy with probes.
+            elapsed = time.monotonic() - t0
+            await asyncio.sleep(min(HEALTH_POLL_MAX_S, HEALTH_POLL_S * (1.0 + elapsed * 2)))
 
     async def _teardown_attempt(self, proc: procs.BackendProcess, port: int) -> None:
         code = await procs.terminate(proc, min(self.m.settings.stop_grace_s, 5.0))
@@ -404,6 +472,8 @@ class Supervisor:
         code = proc.exit_code()
         self.last_exit_code = code
         self.counters["crashes"] += 1
+        # Workers that outlived it (in its group, or setsid'd) hold GPU memory and the port.
+        await procs.end_tree_leftovers(proc)
         self._cancel(self.metrics_task)
         await self._stop_follower()
         self.proc = None
@@ -512,7 +582,9 @@ class Supervisor:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            self._cancel(self._adopt_task)
             if self.status == S.STOPPED:
+                await self.m.persist()  # the intent, if it changed (same bytes: no write)
                 return self.instance
             if self.status == S.FAILED:
                 self.set_status(
@@ -528,6 +600,9 @@ class Supervisor:
                 return self.instance
             proc = self.proc
             self.set_status(S.STOPPING, reason="stopping")
+            # What is wanted is on disk before any signal: a host that dies mid-stop finishes
+            # the stop at boot (and starts it again only when it is still wanted).
+            await self.m.persist()
             self._cancel(self.metrics_task)
             self._cancel(self.watch_task)
             if proc is not None:
@@ -544,8 +619,11 @@ class Supervisor:
         return self.instance
 
     async def detach(self) -> None:
-        """Host shutdown with KEEP_BACKENDS_ON_SHUTDOWN: leave the backend serving."""
+        """Host shutdown with KEEP_BACKENDS_ON_SHUTDOWN: leave the backend serving (one still
+        loading too: the next host process adopts it and awaits its readiness)."""
+        self._detaching = True
         self._cancel(self.restart_task)
+        self._cancel(self._adopt_task)
         if self.start_task is not None and not self.start_task.done():
             self.start_task.cancel()
             with contextlib.suppress(BaseException):
@@ -565,74 +643,200 @@ class Supervisor:
 
     # --- re-adoption -----------------------------------------------------------------------------
 
-    async def adopt(self) -> bool:
-        """Take back a backend the host left running. True when it is running again."""
+    def recorded_process(self) -> tuple[procs.BackendProcess | None, str]:
+        """The recorded backend if it is still the same process and ours, else why not.
+        Blocking (/proc reads)."""
         rec = self.stored.process
         if rec is None:
-            return False
-        proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline, rec.start_ticks)
+            return None, "no process recorded"
+        expected = self.m.marker(self.id)
+        if rec.boot_id is not None and rec.start_ticks is not None:
+            ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
+            if rec.boot_id != ownership.boot_id():
+                return None, "the machine rebooted since it was spawned"
+            if not ownership.is_same(ident):
+                return None, "it exited (or its pid now belongs to another process)"
+            if rec.marker is not None and rec.marker != expected:
+                return None, "it was spawned for another host directory"
+            if rec.marker is not None and not ownership.is_ours(rec.pid, rec.marker):
+                return None, "it does not carry this host's marker"
+            return procs.BackendProcess(ident, rec.marker, rec.create_time, rec.cmdline), ""
+        # A record from before boot ids and markers: the start time, and the command line it
+        # was spawned with, which is the best such a record can offer.
+        ident = ownership.identity_of(rec.pid)
+        if ident is None or (rec.start_ticks is not None and ident.start_ticks != rec.start_ticks):
+            return None, "it exited (or its pid now belongs to another process)"
+        try:
+            argv = open(f"/proc/{rec.pid}/cmdline", "rb").read().split(b"\0")[:-1]
+        except OSError:
+            return None, "it exited"
+        if [a.decode("utf-8", "replace") for a in argv] != rec.cmdline:
+            return None, "its pid now runs another program"
+        marker = ownership.marker_of(rec.pid)
+        return procs.BackendProcess(ident, marker if marker == expected else None), ""
+
+    async def adopt(self) -> str:
+        """Take back a backend the host left running, fast: identity, marker and listener only
+        (the API binds only after every supervisor answered). Slower work (log attach, health,
+        readiness of a backend still loading) continues in the background.
+
+        Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
+        host died: it is finished in the background) or "gone" (nothing of ours to adopt).
+        """
+        rec = self.stored.process
+        if rec is None:
+            return "gone"
+        proc, why = await asyncio.to_thread(self.recorded_process)
         if proc is None:
-            log.info(
-                "recorded backend pid %s of %s is gone (or the pid was reused)", rec.pid, self.id
-            )
+            log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
             self.stored.process = None
-            return False
-        backend = self.backend()
-        config = self.instance.config
-        healthy = False
-        if backend.health_path:
-            addr = probe_address(config.host)
-            for _ in range(30):
-                if await is_healthy(addr, rec.port, backend.health_path, self._bearer(), 1.0):
-                    healthy = True
-                    break
-                if not proc.alive():
-                    break
-                await asyncio.sleep(0.1)
-        log_path = Path(rec.log_file) if rec.log_file else None
-        if not backend.health_path and log_path is not None:
-            healthy = any(backend.is_ready_line(ln) for ln in tail_lines(log_path, 2000))
-        if not healthy or log_path is None:
-            log.warning(
-                "backend pid %s of %s does not answer its health check; replacing it",
-                rec.pid,
-                self.id,
-            )
-            await procs.terminate(proc, self.m.settings.stop_grace_s)
-            self.stored.process = None
-            return False
-        # Continue the log where it is: seq = the attempt's base + lines already in the file.
-        lines, size = await asyncio.to_thread(count_lines, log_path)
-        base = rec.seq_base + lines
-        tail = await asyncio.to_thread(tail_lines, log_path, self.m.settings.log_buffer_size)
-        self.ring = LogRing(self.m.settings.log_buffer_size, next_seq=base - len(tail))
-        ts = datetime.now(UTC).isoformat()
-        self.ring.append_many(tail, ts)
-        self.telemetry.reset(backend.new_parser(config))
+            return "gone"
+        inst = self.instance
         self.proc = proc
         self.m.ports.claim_adopted(rec.port)
-        self._ready = None
-        self._follow(log_path, offset=size, ready_check=None)
+        if inst.status in (S.STOPPING, S.STOPPED, S.FAILED) or not self.stored.want_running:
+            # The operator's last word was a stop (or a restart, whose stop comes first).
+            inst.status = S.STOPPING
+            inst.pid, inst.port = proc.pid, rec.port
+            self.m.changed(self.id, S.STOPPING.value, "finishing stop")
+            self.start_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
+            return "stopping"
+        listening = await asyncio.to_thread(
+            ownership.owns_port, proc.identity, rec.port, proc.marker
+        )
+        backend = self.backend()
+        config = inst.config
+        fields: dict[str, Any] = {
+            "pid": proc.pid,
+            "port": rec.port,
+            "supported_endpoints": backend.supported_endpoints(config),
+            "served_model_name": backend.served_model_name(config),
+        }
+        if inst.status == S.RUNNING and listening:
+            self.set_status(
+                S.RUNNING,
+                reason="adopted",
+                started_at=inst.started_at or datetime.now(UTC),
+                **fields,
+            )
+            self._watch(proc)
+            self._adopt_task = asyncio.create_task(
+                self._attach_adopted(proc, rec, loading=False), name=f"adopt:{self.id}"
+            )
+            log.info("re-adopted backend pid %s of %s on port %s", proc.pid, self.id, rec.port)
+            return "running"
+        # Still loading (or not listening yet): awaited in the background under the deadline
+        # of the start that spawned it, never killed and loaded again.
+        self.set_status(S.STARTING, reason="adopted", started_at=None, **fields)
+        self._ready = asyncio.Event()
+        self.start_task = asyncio.create_task(
+            self._attach_adopted(proc, rec, loading=True), name=f"adopt:{self.id}"
+        )
+        log.info(
+            "re-adopted backend pid %s of %s on port %s, still loading", proc.pid, self.id, rec.port
+        )
+        return "starting"
+
+    async def _attach_adopted(
+        self, proc: procs.BackendProcess, rec: ProcessRecord, *, loading: bool
+    ) -> Any:
+        """Background half of an adoption: follow the log, then await readiness (loading) or
+        check health once (running; a slow answer is logged, never a reason to replace it)."""
+        backend = self.backend()
+        config = self.instance.config
+        log_path = Path(rec.log_file) if rec.log_file else None
+        if log_path is not None:
+            # Continue the log where it is: seq = the attempt's base + lines already in the file.
+            lines, size = await asyncio.to_thread(count_lines, log_path)
+            tail = await asyncio.to_thread(tail_lines, log_path, self.m.settings.log_buffer_size)
+            self.ring = LogRing(
+                self.m.settings.log_buffer_size, next_seq=rec.seq_base + lines - len(tail)
+            )
+            self.ring.append_many(tail, datetime.now(UTC).isoformat())
+            self.telemetry.reset(backend.new_parser(config))
+            self._follow(log_path, offset=size, ready_check=backend if loading else None)
+            if self._ready is not None and any(backend.is_ready_line(ln) for ln in tail):
+                self._ready.set()
+            if self.follower is not None and not loading:
+                self.follower.hot_polling = True
+        if not loading:
+            if backend.health_path and not await is_healthy(
+                probe_address(config.host), rec.port, backend.health_path, self._bearer(), 10.0
+            ):
+                log.warning(
+                    "re-adopted backend pid %s of %s does not answer %s yet",
+                    proc.pid,
+                    self.id,
+                    backend.health_path,
+                )
+            return self.instance
+        return await self._await_adopted_ready(proc, rec)
+
+    async def _await_adopted_ready(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
+        settings = self.m.settings
+        spawned = rec.spawned_at
+        elapsed = 0.0
+        if spawned:
+            with contextlib.suppress(ValueError):
+                elapsed = (datetime.now(UTC) - datetime.fromisoformat(spawned)).total_seconds()
+        # The start that spawned it had START_DEADLINE_S in all; a few seconds at least, so a
+        # backend that became ready while the host was down is still seen as ready.
+        timeout = max(settings.start_deadline_s - max(elapsed, 0.0), 5.0)
+        backend = self.backend()
+        config = self.instance.config
+        try:
+            await self._wait_ready(proc, backend, config.host, rec.port, timeout)
+        except AttemptFailed as err:
+            log.warning("re-adopted backend of %s did not become ready: %s", self.id, err.reason)
+            if proc.alive():
+                await procs.terminate(proc, min(settings.stop_grace_s, 5.0))
+            await self._stop_follower()
+            self.proc = None
+            self.stored.process = None
+            self.m.ports.release(rec.port)
+            self.set_status(
+                S.FAILED,
+                reason="start_failed",
+                error_message=err.reason,
+                pid=None,
+                port=None,
+                started_at=None,
+            )
+            await self.m.persist()
+            self._after_stop_hook()
+            raise StartFailed(self.id, err.reason, err.exit_code, self._tail()) from None
         if self.follower is not None:
             self.follower.hot_polling = True
-        self.set_status(
-            S.RUNNING,
-            reason="adopted",
-            pid=proc.pid,
-            port=rec.port,
-            started_at=self.instance.started_at or datetime.now(UTC),
-            supported_endpoints=backend.supported_endpoints(config),
-            served_model_name=backend.served_model_name(config),
-        )
+        self.set_status(S.RUNNING, reason="ready", started_at=datetime.now(UTC), error_message=None)
+        self.m.persist_soon()
         self._watch(proc)
-        log.info("re-adopted backend pid %s of %s on port %s", proc.pid, self.id, rec.port)
-        return True
+        return self.instance
+
+    async def _finish_stop(self) -> Any:
+        """A stop the previous host process did not finish: finish it, then start again only
+        when the instance is still wanted (a restart whose stop was under way)."""
+        proc = self.proc
+        if proc is not None:
+            await procs.terminate(proc, self.m.settings.stop_grace_s)
+        self.proc = None
+        self.stored.process = None
+        self.m.ports.release(self.instance.port)
+        self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
+        await self.m.persist()
+        self._after_stop_hook()
+        log.info("finished the stop of %s that was under way when the host stopped", self.id)
+        if self.stored.want_running and not self.deleted:
+            self.start_task = None
+            with contextlib.suppress(StartFailed, InstanceConflict, InstanceNotFound):
+                await self.start()
+        return self.instance
 
     async def kill_recorded(self) -> None:
-        """Delete path: make sure no backend of this instance survives."""
-        rec = self.stored.process
-        if rec is not None:
-            proc = procs.adopt(rec.pid, rec.create_time, rec.cmdline, rec.start_ticks)
-            if proc is not None:
-                await procs.terminate(proc, self.m.settings.stop_grace_s)
-            self.stored.process = None
+        """Delete path: make sure no backend of this instance survives, workers included."""
+        proc, _ = await asyncio.to_thread(self.recorded_process)
+        if proc is not None:
+            await procs.terminate(proc, self.m.settings.stop_grace_s)
+        self.stored.process = None
+        strays = await asyncio.to_thread(ownership.carriers, self.m.marker(self.id))
+        if strays:
+            await procs.end_processes(strays, min(self.m.settings.stop_grace_s, 5.0))

@@ -1,0 +1,294 @@
+"""Is this process our backend? The one place that answers it (Linux /proc).
+
+Four questions, each with one function:
+
+- **Same process?** `is_same(identity)`. Identity is what the kernel guarantees: the boot id,
+  the pid and the process start time in clock ticks. The command line is not part of it: an
+  exec wrapper (`sh -c 'exec ...'`, `env`, `stdbuf`, `numactl`, a shebang script, a Python
+  launcher calling os.execv) keeps the pid and start time but changes the command line.
+- **Ours?** `is_ours(pid, marker)`. Every backend is spawned with `SOLAR_HOST_MARKER=<host id>:
+  <instance id>` in its environment; exec and fork both keep it, and it is read back from
+  /proc/<pid>/environ. The host id belongs to the state directory (a file beside CONFIG_FILE),
+  so two hosts never mistake each other's backends for their own, whatever LOG_DIR they share.
+- **Owns this port?** `owns_port(identity, port, marker)`. The socket listening on the port (its
+  inode in /proc/net/tcp or tcp6) is a descriptor of the backend, of a process in its session,
+  or of a process carrying its marker. A 200 from someone else on the port proves nothing.
+- **What of ours runs here?** `ours_running(host_id)`: every live process carrying this host's
+  marker, by instance id (the boot sweep stops those no recorded instance owns).
+
+Everything here reads /proc synchronously: callers on the event loop use asyncio.to_thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MARKER_VAR = "SOLAR_HOST_MARKER"
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """A process as the kernel knows it: unique on this machine for as long as it booted."""
+
+    boot_id: str
+    pid: int
+    start_ticks: int
+
+
+# --- same process ----------------------------------------------------------------------------
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's id (/proc/sys/kernel/random/boot_id); constant until the machine reboots."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat from field 3 (state) on; the name may hold spaces."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        return data[data.rindex(b")") + 2 :].split()
+    except ValueError:
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time in clock ticks since boot (field 22): never moves when the clock is set."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
+        return None
+
+
+def identity_of(pid: int) -> Identity | None:
+    """The identity of the live (not zombie) process `pid`, or None."""
+    fields = _stat(pid)
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    try:
+        return Identity(boot_id(), pid, int(fields[19]))
+    except (ValueError, IndexError):
+        return None
+
+
+def is_same(identity: Identity) -> bool:
+    """True while `identity` is still the very process it was taken from (not a reused pid)."""
+    return identity_of(identity.pid) == identity
+
+
+# --- ours --------------------------------------------------------------------------------------
+
+
+def host_id_path(config_file: Path) -> Path:
+    return config_file.with_name(config_file.name + ".host-id")
+
+
+def load_host_id(config_file: Path) -> str:
+    """This state directory's host id, created (mode 0600) the first time it is asked for.
+
+    Created under a temp name and hard-linked into place, so two hosts racing on a fresh
+    directory agree on one id and a crash never leaves an empty file.
+    """
+    path = host_id_path(config_file)
+    with contextlib.suppress(OSError):
+        text = path.read_text().strip()
+        if text:
+            return text
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, (uuid.uuid4().hex + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass  # another host won the race: use its id
+    finally:
+        os.unlink(tmp)
+    return path.read_text().strip()
+
+
+def marker(host_id: str, instance_id: str) -> str:
+    """The value of MARKER_VAR for a backend of `instance_id` spawned by host `host_id`."""
+    return f"{host_id}:{instance_id}"
+
+
+def marker_of(pid: int) -> str | None:
+    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    key = MARKER_VAR.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key) :].decode("utf-8", "replace")
+    return None
+
+
+def is_ours(pid: int, expected_marker: str) -> bool:
+    return marker_of(pid) == expected_marker
+
+
+def key_fingerprint(host_id: str, key: str) -> str:
+    """What a record keeps of the API key a backend was given: a salted hash, never the key."""
+    return hashlib.sha256(f"{host_id}\0{key}".encode()).hexdigest()[:32]
+
+
+# --- what of ours runs here ------------------------------------------------------------------
+
+
+def _pids(*, include_self: bool = False) -> list[int]:
+    me = -1 if include_self else os.getpid()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(n) for n in names if n.isdigit() and int(n) != me]
+
+
+def carriers(expected_marker: str) -> list[Identity]:
+    """Live processes carrying exactly `expected_marker` (a backend and all its workers)."""
+    found = []
+    for pid in _pids():
+        if marker_of(pid) == expected_marker:
+            ident = identity_of(pid)
+            if ident is not None:
+                found.append(ident)
+    return found
+
+
+def ours_running(host_id: str) -> dict[str, list[Identity]]:
+    """Every live process carrying this host's marker, by instance id."""
+    prefix = host_id + ":"
+    found: dict[str, list[Identity]] = {}
+    for pid in _pids():
+        m = marker_of(pid)
+        if m is None or not m.startswith(prefix):
+            continue
+        ident = identity_of(pid)
+        if ident is not None:
+            found.setdefault(m[len(prefix) :], []).append(ident)
+    return found
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes in session `sid` (a backend runs in a session of its own)."""
+    out = []
+    for pid in _pids():
+        fields = _stat(pid)
+        try:
+            if fields and fields[0] != b"Z" and int(fields[3]) == sid:
+                out.append(pid)
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+# --- owns this port ------------------------------------------------------------------------------
+
+
+def listeners() -> dict[int, set[int]]:
+    """Listening TCP sockets (IPv4 and IPv6, any address): port -> socket inodes."""
+    found: dict[int, set[int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) < 10 or cols[3] != _LISTEN:
+                        continue
+                    with contextlib.suppress(ValueError):
+                        port = int(cols[1].rsplit(":", 1)[1], 16)
+                        found.setdefault(port, set()).add(int(cols[9]))
+        except OSError:
+            continue
+    return found
+
+
+def listener_inodes(port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on `port`, on any address."""
+    return listeners().get(port, set()) - {0}
+
+
+def _holds_socket(pid: int, inodes: set[int]) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                return True
+    return False
+
+
+def owns_port(identity: Identity, port: int, expected_marker: str | None) -> bool:
+    """True when the socket listening on `port` belongs to the backend's process tree."""
+    inodes = listener_inodes(port)
+    if not inodes or not is_same(identity):
+        return False
+    pid = identity.pid
+    if _holds_socket(pid, inodes):
+        return True  # the usual case: the backend itself listens
+    with contextlib.suppress(OSError):
+        for member in session_members(os.getsid(pid)):
+            if member != pid and _holds_socket(member, inodes):
+                return True
+    if expected_marker is not None:
+        for ident in carriers(expected_marker):
+            if ident.pid != pid and _holds_socket(ident.pid, inodes):
+                return True
+    return False
+
+
+def port_holders(port: int) -> list[int]:
+    """Pids holding a socket that listens on `port` (those whose descriptors we can read)."""
+    inodes = listener_inodes(port)
+    if not inodes:
+        return []
+    return [pid for pid in _pids(include_self=True) if _holds_socket(pid, inodes)]
+
+
+def describe(pid: int) -> str:
+    """`pid (name)` for messages; the command line is for people, never for identity."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return str(pid)
+    return f"{pid} ({name})"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group `pgid`."""
+    out = []
+    for pid in _pids():
+        fields = _stat(pid)
+        try:
+            if fields and fields[0] != b"Z" and int(fields[2]) == pgid:
+                out.append(pid)
+        except (ValueError, IndexError):
+            continue
+    return out
