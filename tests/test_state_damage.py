@@ -42,6 +42,24 @@ def running(h: HostProc, alias: str) -> tuple[str, int]:
         return iid, r.json()["instance"]["pid"]
 
 
+def written(h: HostProc, pid: int) -> None:
+    """Wait until config.json records the backend as running and its last good copy records
+    the process too (the copy is one save older: restoring it must still know the backend)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            docs = [
+                json.loads((h.tmp / n).read_bytes()) for n in ("config.json", "config.json.prev")
+            ]
+            cur, prev = (d["instances"][0] for d in docs)
+            if cur["instance"]["status"] == "running" and (prev["process"] or {}).get("pid") == pid:
+                return
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        assert time.monotonic() < deadline, "config.json never recorded the running backend"
+        time.sleep(0.05)
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -121,10 +139,10 @@ def test_damaged_config_json_is_refused_and_nothing_is_touched(tmp_path: Path, h
     with HostProc(tmp_path) as h:
         h.start()
         iid, pid = running(h, "keep")
+        written(h, pid)
         h.kill()
         cfg = tmp_path / "config.json"
         good = cfg.read_bytes()
-        assert (tmp_path / "config.json.prev").is_file()
         damage(cfg, how)
         damaged = snapshot(cfg)
         others = sorted(p.name for p in tmp_path.iterdir())
@@ -261,7 +279,9 @@ def test_state_files_are_private_and_loosened_ones_tightened(tmp_path: Path) -> 
         os.chmod(key_file, 0o644)
         h.start()
         with h.client() as c:
-            r = c.post("/resources/reservations", json={"job_id": "j", "ram_gb": 0.001})
+            r = c.post(
+                "/resources/reservations", json={"job_id": "j", "vram_gb": 0, "ram_gb": 0.001}
+            )
             assert r.status_code == 201, r.text
         running(h, "keep")
         h.kill()

@@ -149,7 +149,6 @@ class InstanceStore:
 
     def load(self) -> LoadResult:
         """Read config.json. Raises StateFileError for a file that is there but unusable."""
-        sweep_temp_files(self.path)
         raw = read_state_bytes(self.path)
         if raw is None:
             if self.last_good_path.is_file():
@@ -161,6 +160,7 @@ class InstanceStore:
                 )
             return LoadResult()
         result = self.parse(raw)
+        sweep_temp_files(self.path)  # only once the file is known good
         self.on_disk = raw
         tighten_mode(self.path)
         tighten_mode(self.last_good_path)

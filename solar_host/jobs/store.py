@@ -93,11 +93,11 @@ class JobStore:
         for a file that is there but cannot be parsed."""
         if self.path is None:
             return []
-        sweep_temp_files(self.path)
         data = read_state_bytes(self.path)
         if data is None:
             return []
         raw = parse_store(self.path, data)
+        sweep_temp_files(self.path)  # only once the file is known good
         self._loaded_from_disk = True
         tighten_mode(self.path)
         interrupted = []

@@ -99,7 +99,6 @@ class ReservationStore:
     def load(self, now: datetime | None = None) -> list[Reservation]:
         """Reservations on disk that have not expired. Raises StateFileError."""
         now = now or datetime.now(UTC)
-        sweep_temp_files(self.path)
         raw = read_state_bytes(self.path)
         if raw is None:
             return []
@@ -111,6 +110,7 @@ class ReservationStore:
             out.append(res)
         self.on_disk = raw
         tighten_mode(self.path)
+        sweep_temp_files(self.path)  # only once the file is known good
         if out:
             log.info("%d reservation(s) restored from %s", len(out), self.path)
         return out
