@@ -212,6 +212,7 @@ class InstanceManager:
         if self._pending_saves:
             await asyncio.gather(*self._pending_saves, return_exceptions=True)
         await self.persist()
+        self.store.close()
         if self.inotify is not None:
             self.inotify.close()
 
