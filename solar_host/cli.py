@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     hp.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for the host to exit"
     )
+    rp = sub.add_parser(
+        "restore-state",
+        help="replace damaged state files (config.json, jobs store, reservations, api_key) "
+        "by their last good copies (<file>.prev); the damaged ones are kept aside",
+    )
+    rp.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
+    rp.add_argument("--dry-run", action="store_true", help="only show what would be replaced")
     return p
 
 
@@ -168,6 +175,18 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     configure_logging(settings)
     return run_host(settings)
+
+
+def restore_state(args: argparse.Namespace) -> int:
+    from solar_host.restore import restore_state as restore
+    from solar_host.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings(args.env_file)
+    except SettingsError as err:
+        print(f"solar-host: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    return restore(settings, dry_run=args.dry_run)
 
 
 # --- client configuration -------------------------------------------------------------------
@@ -551,4 +570,6 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "handover":
         return handover(args)
+    if args.command == "restore-state":
+        return restore_state(args)
     return run_client(args)

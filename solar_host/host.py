@@ -29,24 +29,23 @@ class StartupError(RuntimeError):
 def resolve_api_key(settings: Settings) -> tuple[str, bool]:
     """The host key: API_KEY, else the stored generated key, else a new one (stored 0600).
 
-    Returns (key, generated_now).
+    A key file that is there but empty or unreadable stops the start (a new key would lock
+    every client out); only a missing file means "generate one". Returns (key, generated_now).
     """
     if settings.api_key:
         return settings.api_key, False
+    from solar_host.statefiles import StateFileError, read_api_key, store_api_key
+
     path = settings.api_key_file
     try:
-        key = path.read_text(encoding="utf-8").strip()
-        if key:
-            return key, False
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        raise StartupError(f"cannot read the stored API key at {path}: {err}") from None
+        key = read_api_key(path)
+    except StateFileError as err:
+        raise StartupError(str(err)) from None
+    if key is not None:
+        return key, False
     key = "sh-" + secrets.token_urlsafe(32)
-    from solar_host.instances.store import atomic_write_bytes
-
     try:
-        atomic_write_bytes(path, (key + "\n").encode(), mode=0o600)
+        store_api_key(path, key)
     except OSError as err:
         raise StartupError(f"cannot store the generated API key at {path}: {err}") from None
     return key, True
@@ -128,6 +127,7 @@ class Host:
             raise
 
     async def _start(self) -> None:
+        await self._load_state()
         key, generated = resolve_api_key(self.settings)
         self.api_key = key
         add_secrets(key)  # never in a log line, whoever prints it
@@ -153,6 +153,20 @@ class Host:
                     await service.stop()
             raise
         self.started = True
+
+    async def _load_state(self) -> None:
+        """Every service reads its state files before any starts: a damaged one stops the host
+        here, before anything is written or any process touched (statefiles.py)."""
+        from solar_host.statefiles import StateFileError
+
+        for service in self.services.values():
+            load = getattr(service, "load_state", None)
+            if load is None:
+                continue
+            try:
+                await load()
+            except StateFileError as err:
+                raise StartupError(str(err)) from None
 
     async def stop(self) -> None:
         for service in reversed(self.lifecycle):

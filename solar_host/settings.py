@@ -278,6 +278,11 @@ class Settings(BaseModel):
         """Where a generated key is kept: beside config.json."""
         return self.config_file.parent / "api_key"
 
+    @property
+    def reservations_file(self) -> Path:
+        """The reservation ledger's file: beside config.json."""
+        return self.config_file.parent / "reservations.json"
+
 
 class SettingsError(Exception):
     """Start-up configuration is invalid; the message is one line naming the variable."""

@@ -18,6 +18,7 @@ from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.schemas import ConfigError, parse_config
 from solar_host.instances.store import InstanceStore
 from solar_host.settings import Settings, SettingsError, load_settings
+from solar_host.statefiles import StateFileError
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 
@@ -101,7 +102,7 @@ def test_cli_serve_exits_2_with_one_line_on_bad_settings(tmp_path: Path) -> None
 
 
 def test_serve_that_cannot_start_says_why_in_one_line_and_exits_1(tmp_path: Path) -> None:
-    # CONFIG_FILE's directory is a file: the generated key cannot be kept beside it.
+    # CONFIG_FILE's directory is a file: neither config.json nor the key can be kept there.
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     p = run_serve(
@@ -330,20 +331,31 @@ def test_old_config_file_loads_and_bad_entries_are_kept_aside(tmp_path: Path) ->
             }
         )
     )
-    result = InstanceStore(cfg, tmp_path / "models").load()
+    store = InstanceStore(cfg, tmp_path / "models")
+    result = store.load()
     assert [r.instance.id for r in result.records] == ["old-1"]
     assert result.records[0].want_running is True
     assert result.records[0].instance.config.backend_type == "llamacpp"
-    rejected = json.loads((tmp_path / "config.json.rejected.json").read_text())
-    assert rejected[0]["entry"]["id"] == "bad-1"
-    assert "Either 'model'" in rejected[0]["reason"]
+    [bad] = result.quarantined
+    assert bad.id == "bad-1" and bad.index == 1
+    assert "Either 'model'" in bad.reason
+    # Saved back verbatim, at its place.
+    store.save_sync(result.records, ["inference"])
+    entries = json.loads(cfg.read_text())["instances"]
+    assert entries[1] == {
+        "id": "bad-1",
+        "config": {"alias": "y", "backend_type": "llamacpp"},
+        "status": "stopped",
+    }
 
 
-def test_corrupt_config_file_is_kept_and_host_starts_empty(tmp_path: Path) -> None:
+def test_corrupt_config_file_is_refused_and_kept(tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text("{not json")
-    assert InstanceStore(cfg, tmp_path).load().records == []
-    assert any(p.name.startswith("config.json.corrupt-") for p in tmp_path.iterdir())
+    with pytest.raises(StateFileError, match="not valid JSON"):
+        InstanceStore(cfg, tmp_path).load()
+    assert cfg.read_text() == "{not json"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
 def test_write_killed_midway_leaves_old_file_intact(tmp_path: Path) -> None:

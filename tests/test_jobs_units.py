@@ -32,6 +32,7 @@ from solar_host.jobs.workspace import (
 )
 from solar_host.resources.probes import GB, GpuDevice, Usage
 from solar_host.settings import Settings
+from solar_host.statefiles import StateFileError
 
 
 def job(**kw: object) -> JobDefinition:
@@ -174,7 +175,9 @@ def test_store_persists_and_marks_interrupted(tmp_path: Path) -> None:
     assert r.error_message == RESTART_MESSAGE and r.finished_at is not None
     assert [s.status for s in r.steps] == [StepStatus.failed, StepStatus.cancelled]
     assert again.get("done").status == JobStatus.completed  # type: ignore[union-attr]
-    # the marking was persisted
+    # the marking is written once the host starts, not by the load
+    assert JobStore(path).load() == ["r"]
+    again.save_interrupted(["r"])
     assert JobStore(path).load() == []
     again.remove("r")
     again.remove("r")
@@ -184,11 +187,25 @@ def test_store_persists_and_marks_interrupted(tmp_path: Path) -> None:
     assert [j.job_id for j in third.all()] == ["done"]
 
 
-def test_store_survives_a_corrupt_file(tmp_path: Path) -> None:
+def test_store_refuses_a_corrupt_file_and_keeps_it(tmp_path: Path) -> None:
     path = tmp_path / "jobs_store.json"
-    path.write_text("{not json")
+    for damaged in (b"{not json", b"", b"\xff", b"null", b'{"jobs": "x"}'):
+        path.write_bytes(damaged)
+        with pytest.raises(StateFileError, match=r"jobs_store\.json"):
+            JobStore(path).load()
+        assert path.read_bytes() == damaged
+
+
+def test_store_keeps_an_entry_that_no_longer_validates(tmp_path: Path) -> None:
+    path = tmp_path / "jobs_store.json"
+    odd = {"job_id": "odd", "name": "n", "status": "from-a-newer-host"}
+    path.write_text(json.dumps({"version": 1, "jobs": [odd]}))
     store = JobStore(path)
     assert store.load() == [] and store.all() == []
+    store.add(JobState(job_id="new", name="n", status=JobStatus.completed))
+    jobs = json.loads(path.read_text())["jobs"]
+    assert [j["job_id"] for j in jobs] == ["new", "odd"] and jobs[1] == odd
+    assert json.loads((tmp_path / "jobs_store.json.prev").read_text())["jobs"] == [odd]
 
 
 # --- workspace ---------------------------------------------------------------------------------

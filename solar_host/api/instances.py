@@ -46,6 +46,15 @@ async def list_instances(request: Request) -> Response:
     return Response(_svc(request).list_json(), media_type="application/json")
 
 
+@router.get("/quarantined")
+async def quarantined_instances(request: Request) -> Response:
+    """config.json entries that no longer validate (an unknown backend_type, a field an upgrade
+    made stricter): kept verbatim in the file, not loaded, their backends left alone. Each has
+    `id`, `index` (position in the file), `reason`, `pid` (recorded backend) and `entry`.
+    Fix the entry in config.json and restart, or DELETE /instances/{id} to drop it."""
+    return JSONResponse(_svc(request).quarantined())
+
+
 @router.get("/{instance_id}", response_model=Instance)
 async def get_instance(request: Request, instance_id: str) -> Response:
     svc = _svc(request)
@@ -67,8 +76,18 @@ async def update_instance(request: Request, instance_id: str, body: InstanceUpda
 
 @router.delete("/{instance_id}", response_model=InstanceResponse)
 async def delete_instance(request: Request, instance_id: str) -> Response:
+    svc = _svc(request)
     try:
-        inst = await _svc(request).delete(instance_id)
+        inst = await svc.delete(instance_id)
+    except InstanceNotFound as err:
+        if svc.store.quarantined_entry(instance_id) is None:
+            return error_response(err)
+        try:
+            entry = await svc.delete_quarantined(instance_id)
+        except InstanceError as err2:
+            return error_response(err2)
+        message = f"Quarantined entry {instance_id} deleted successfully"
+        return JSONResponse({"quarantined": entry, "message": message})
     except InstanceError as err:
         return error_response(err)
     return _answer(request, inst, f"Instance {instance_id} deleted successfully")

@@ -7,7 +7,12 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from solar_host.resources.ledger import CapacityExceeded, ReservationNotFound, ReservationRunning
+from solar_host.resources.ledger import (
+    CapacityExceeded,
+    LedgerNotPersisted,
+    ReservationNotFound,
+    ReservationRunning,
+)
 from solar_host.resources.schemas import (
     CapacityExceededBody,
     ReleasedBody,
@@ -36,25 +41,37 @@ async def get_resources(request: Request) -> dict[str, Any]:
     "/resources/reservations",
     status_code=201,
     response_model=ReservationView,
-    responses={409: {"model": CapacityExceededBody, "description": "Not enough capacity"}},
+    responses={
+        409: {"model": CapacityExceededBody, "description": "Not enough capacity"},
+        507: {"description": "The reservation store could not be written; nothing reserved"},
+    },
 )
 async def create_reservation(body: ReservationRequest, request: Request) -> Any:
-    """Pre-claim capacity for a job. 409 (flat body) when a dimension lacks room."""
+    """Pre-claim capacity for a job. 409 (flat body) when a dimension lacks room. Answered once
+    the reservation is on disk (a host restart keeps it)."""
     try:
-        return _service(request).create(body)
+        return await _service(request).reserve(body)
     except CapacityExceeded as err:
         return JSONResponse(status_code=409, content=err.body())
+    except LedgerNotPersisted as err:
+        return JSONResponse(status_code=507, content={"detail": str(err)})
 
 
 @router.delete(
     "/resources/reservations/{reservation_id}",
     response_model=ReleasedBody,
-    responses={404: {"description": "Unknown id"}, 409: {"description": "Its job is running"}},
+    responses={
+        404: {"description": "Unknown id"},
+        409: {"description": "Its job is running"},
+        507: {"description": "The reservation store could not be written; nothing released"},
+    },
 )
-async def release_reservation(reservation_id: str, request: Request) -> dict[str, str]:
+async def release_reservation(reservation_id: str, request: Request) -> Any:
     try:
-        return _service(request).release(reservation_id)
+        return await _service(request).unreserve(reservation_id)
     except ReservationNotFound as err:
         raise HTTPException(404, str(err)) from None
     except ReservationRunning as err:
         raise HTTPException(409, str(err)) from None
+    except LedgerNotPersisted as err:
+        return JSONResponse(status_code=507, content={"detail": str(err)})

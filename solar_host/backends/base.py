@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
+
+from solar_host.tracked import Tracked
 
 # Variables a caller may never set through `extra_env`: they change what code the backend
 # loads (a way to run arbitrary code as the host user) or how Python starts.
@@ -38,7 +40,7 @@ LOADER_ENV_VARS = frozenset(
 )
 
 
-class BackendConfigBase(BaseModel):
+class BackendConfigBase(Tracked):  # Tracked: config.json re-encodes only changed records
     """Fields common to every backend config.
 
     Unknown keys are kept and echoed back unchanged: solar-control compares configs key by

@@ -44,10 +44,11 @@ from solar_host.instances.schemas import (
     parse_config,
 )
 from solar_host.instances.states import ACTIVE, InstanceStatus
-from solar_host.instances.store import InstanceStore, StoredInstance
+from solar_host.instances.store import InstanceStore, LoadResult, StoredInstance
 from solar_host.instances.supervisor import Supervisor
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
+from solar_host.statefiles import private_dir
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
@@ -93,16 +94,24 @@ class InstanceManager:
 
     def key_hash(self, key: str) -> str:
         return ownership.key_fingerprint(self.host_id, key)
+        self._loaded: LoadResult | None = None
 
     # --- lifecycle of the service ----------------------------------------------------------------
 
+    async def load_state(self) -> None:
+        """Read config.json before any service starts: a file that cannot be parsed stops the
+        host (StateFileError) before anything is written or any process touched."""
+        self._loaded = await asyncio.to_thread(self.store.load)
+
     async def startup(self) -> None:
         """Service start: load records, re-adopt or boot-start backends (in the background)."""
-        self.settings.log_dir.mkdir(parents=True, exist_ok=True)
+        result, self._loaded = self._loaded, None
+        if result is None:
+            result = await asyncio.to_thread(self.store.load)
+        private_dir(self.settings.log_dir, 0o750)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
         self.host_id = await asyncio.to_thread(ownership.load_host_id, self.settings.config_file)
-        result = await asyncio.to_thread(self.store.load)
         if result.roles:
             self.roles = result.roles
         for stored in result.records:
@@ -180,7 +189,11 @@ class InstanceManager:
         """
         ours = await asyncio.to_thread(ownership.ours_running, self.host_id)
         strays: list[ownership.Identity] = []
+        # Quarantined config.json entries keep their backends (and those backends' workers).
+        protected = self.protected_pids()
         for iid, idents in ours.items():
+            if any(ident.pid in protected for ident in idents):
+                continue
             sup = self.supervisors.get(iid)
             if sup is not None and sup.start_task is not None and not sup.start_task.done():
                 if sup.proc is None or sup.proc.is_child:
@@ -256,6 +269,7 @@ class InstanceManager:
         if self._pending_saves:
             await asyncio.gather(*self._pending_saves, return_exceptions=True)
         await self.persist()
+        self.store.close()
         if self.inotify is not None:
             self.inotify.close()
 
@@ -310,7 +324,12 @@ class InstanceManager:
             s.instance.port
             for s in list(self.supervisors.values())
             if s.instance.port is not None and s.instance.status in ACTIVE
-        }
+        } | self.store.protected_ports()
+
+    def protected_pids(self) -> set[int]:
+        """Backend pids no sweep may stop although no instance owns them: those recorded by
+        quarantined config.json entries (their backend is left alone, never killed)."""
+        return self.store.protected_pids()
 
     def prune_logs_soon(self) -> None:
         if self._prune_task is None or self._prune_task.done():
@@ -359,6 +378,10 @@ class InstanceManager:
             ).encode()
             self._list_cache = cached
         return cached
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """config.json entries that no longer validate, kept verbatim (store.QuarantinedEntry)."""
+        return [q.view() for q in self.store.quarantined]
 
     def models_in_use(self) -> list[tuple[str, str, list[str], list[str] | None]]:
         """(id, backend_type, model paths, file_filters) of instances whose files are in use."""
@@ -503,6 +526,29 @@ class InstanceManager:
         sup.ring.notify()  # log streamers wake, see the instance gone, and close
         sup._after_stop_hook()
         return sup.instance
+
+    async def delete_quarantined(self, instance_id: str) -> dict[str, Any]:
+        """An operator deletes a quarantined entry: it leaves config.json, and its recorded
+        backend, if that very process still runs, is stopped (as delete leaves nothing behind)."""
+        entry = self.store.quarantined_entry(instance_id)
+        if entry is None:
+            raise InstanceNotFound(instance_id)
+        self.store.quarantined.remove(entry)
+        try:
+            await self.persist_or_raise()
+        except NotPersisted:
+            self.store.quarantined.append(entry)
+            raise
+        log.warning("quarantined entry %s deleted by the operator", instance_id)
+        rec = entry.process or {}
+        pid, create_time = entry.pid, rec.get("create_time")
+        if pid is not None and isinstance(create_time, (int, float)):
+            cmdline = rec.get("cmdline") if isinstance(rec.get("cmdline"), list) else []
+            ticks = rec.get("start_ticks") if isinstance(rec.get("start_ticks"), int) else None
+            proc = procs.adopt(pid, float(create_time), cmdline, ticks)
+            if proc is not None:
+                await procs.terminate(proc, self.settings.stop_grace_s)
+        return entry.view()
 
     async def start(self, instance_id: str) -> Instance:
         return await self._sup(instance_id).start()

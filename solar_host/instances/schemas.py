@@ -26,6 +26,7 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
+from solar_host.tracked import Tracked
 
 InstanceConfig = Annotated[
     LlamaCppConfig
@@ -63,7 +64,7 @@ class Priority(StrEnum):
     EPHEMERAL = "ephemeral"
 
 
-class Instance(BaseModel):
+class Instance(Tracked):  # Tracked: config.json re-encodes only changed records
     """An instance record as the REST API shows it (control-contract 3.2)."""
 
     model_config = ConfigDict(protected_namespaces=())

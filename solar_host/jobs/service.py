@@ -143,13 +143,22 @@ class JobService:
         self._submitting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._leftovers_swept = False
+        self._interrupted: list[str] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
+
+    async def load_state(self) -> None:
+        """Read the job store before any service starts (Host._load_state): a store that
+        cannot be parsed stops the host instead of being replaced by the next submit."""
+        self._interrupted = await asyncio.to_thread(self.store.load)
 
     async def start(self) -> None:
         # JOBS_DIR is created by the first submission, not here: a host that never runs a job
         # leaves no trace of it.
-        interrupted = await asyncio.to_thread(self.store.load)
+        interrupted, self._interrupted = self._interrupted, None
+        if interrupted is None:
+            interrupted = await asyncio.to_thread(self.store.load)
+        await asyncio.to_thread(self.store.save_interrupted, interrupted)
         for job_id in interrupted:
             log.warning("job %s was running when the host stopped; marked failed", job_id)
         await self.ensure_docker(force=True)

@@ -2,9 +2,13 @@
 
 Mutations happen on the event-loop thread only (the executor and the routes), so no lock is
 needed; readers from other threads get the immutable snapshot objects (every update replaces
-the JobState, never mutates it in place). Writes are atomic, so a crash leaves the old or the
-new file. On load, jobs that were still running belong to a host that died: they are marked
-failed with finished_at, so retention removes them later.
+the JobState, never mutates it in place). The file follows statefiles' rules: atomic fsynced
+writes (a crash leaves the old or the new file), the previous version kept as
+jobs_store.json.prev, 0600 (step environments may hold credentials), and a file that cannot be
+parsed stops the host at start-up instead of being replaced by the next submit. An entry that no
+longer validates is kept verbatim in the file (and logged), never dropped. On load, jobs that
+were still running belong to a host that died: they are marked failed with finished_at, so
+retention removes them later (written at start, not at load).
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.events import utc_now
-from solar_host.instances.store import atomic_write_bytes
 from solar_host.jobs.schemas import JobState, JobStatus, StepStatus
+from solar_host.statefiles import (
+    PRIVATE,
+    StateFileError,
+    atomic_write_bytes,
+    decode_text,
+    read_state_bytes,
+    sweep_temp_files,
+    tighten_mode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +40,9 @@ class JobStore:
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._jobs: dict[str, JobState] = {}
+        # Entries that no longer validate, verbatim: written back by every save.
+        self.unreadable: list[Any] = []
+        self._loaded_from_disk = False
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -73,40 +88,70 @@ class JobStore:
     # --- persistence -------------------------------------------------------------------------
 
     def load(self) -> list[str]:
-        """Read the file; returns the ids of jobs that were interrupted (now marked failed)."""
-        if self.path is None or not self.path.exists():
+        """Read the file; returns the ids of jobs that were interrupted (now marked failed, in
+        memory: `save_interrupted()` writes that once the host starts). Raises StateFileError
+        for a file that is there but cannot be parsed."""
+        if self.path is None:
             return []
-        try:
-            raw = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            # Keep the unreadable file for inspection; start with an empty store.
-            log.error("cannot read the job store %s (%s); starting empty", self.path, err)
+        data = read_state_bytes(self.path)
+        if data is None:
             return []
+        raw = parse_store(self.path, data)
+        sweep_temp_files(self.path)  # only once the file is known good
+        self._loaded_from_disk = True
+        tighten_mode(self.path)
         interrupted = []
-        for item in raw.get("jobs", []) if isinstance(raw, dict) else []:
+        for item in raw.get("jobs", []):
             try:
                 job = JobState.model_validate(item)
             except ValueError as err:
-                log.warning("dropping an unreadable job entry from %s: %s", self.path, err)
+                log.error(
+                    "job store %s: an entry that does not validate is kept unchanged "
+                    "and not loaded: %s",
+                    self.path,
+                    str(err).replace("\n", " "),
+                )
+                self.unreadable.append(item)
                 continue
             if not job.terminal:
                 job = _mark_interrupted(job)
                 interrupted.append(job.job_id)
             self._jobs[job.job_id] = job
+        return interrupted
+
+    def save_interrupted(self, interrupted: list[str]) -> None:
+        """Write the failed marks of jobs a dead host left running (after load)."""
         if interrupted:
             self._save()
-        return interrupted
 
     def _save(self) -> None:
         if self.path is None:
             return
-        data = {"version": 1, "jobs": [j.model_dump(mode="json") for j in self._jobs.values()]}
+        jobs = [j.model_dump(mode="json") for j in self._jobs.values()]
+        data = {"version": 1, "jobs": jobs + self.unreadable}
         try:
             # 0600: step environments given by the caller may hold credentials.
-            atomic_write_bytes(self.path, json.dumps(data, indent=1).encode(), mode=0o600)
+            atomic_write_bytes(
+                self.path,
+                json.dumps(data, indent=1).encode(),
+                PRIVATE,
+                keep_previous=self._loaded_from_disk,
+            )
+            self._loaded_from_disk = True
         except OSError as err:
             # The in-memory state stays authoritative; the next change retries the write.
             log.error("cannot write the job store %s: %s", self.path, err)
+
+
+def parse_store(path: Path, data: bytes) -> dict[str, Any]:
+    """The store document; raises StateFileError when it cannot be used."""
+    try:
+        raw = json.loads(decode_text(path, data))
+    except ValueError as err:
+        raise StateFileError(path, f"not valid JSON ({err})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("jobs", []), list):
+        raise StateFileError(path, "expected an object with a 'jobs' list")
+    return raw
 
 
 def _mark_interrupted(job: JobState) -> JobState:

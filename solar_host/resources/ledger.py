@@ -1,4 +1,5 @@
-"""The reservation ledger: capacity pre-claimed by solar-control, in memory only.
+"""The reservation ledger: capacity pre-claimed by solar-control (kept on disk by
+ledger_store.py, so a restart does not hand out claimed capacity twice).
 
 Accounting, per dimension d (VRAM, RAM, disk):
 
@@ -81,6 +82,10 @@ class ReservationNotFound(KeyError):
 
     def __str__(self) -> str:
         return f"Reservation '{self.reservation_id}' not found"
+
+
+class LedgerNotPersisted(Exception):
+    """The reservation store could not be written; the change was undone (507)."""
 
 
 class ReservationRunning(Exception):
@@ -294,6 +299,22 @@ class Ledger:
             for res in self._items.values():
                 vram, ram, disk = actuals.get(res.id, (None, None, None))
                 res.actual_vram_gb, res.actual_ram_gb, res.actual_disk_gb = vram, ram, disk
+
+    # --- persistence (ledger_store.py) ------------------------------------------------------
+
+    def records(self) -> list[Reservation]:
+        with self._lock:
+            return list(self._items.values())
+
+    def restore(self, reservations: list[Reservation]) -> None:
+        with self._lock:
+            for res in reservations:
+                self._items[res.id] = res
+
+    def discard(self, reservation_id: str) -> None:
+        """Undo a create that could not be persisted."""
+        with self._lock:
+            self._items.pop(reservation_id, None)
 
     def get(self, reservation_id: str) -> dict[str, Any] | None:
         with self._lock:

@@ -15,7 +15,8 @@ from datetime import datetime
 from typing import Any
 
 from solar_host.events import EventBus, ReservationsChanged
-from solar_host.resources.ledger import Capacity, Ledger, SystemUsage
+from solar_host.resources.ledger import Capacity, Ledger, LedgerNotPersisted, SystemUsage
+from solar_host.resources.ledger_store import ReservationStore
 from solar_host.resources.probes import CachedValue, SystemProbe
 from solar_host.resources.schemas import ReservationRequest
 from solar_host.resources.usage import JobView, measure_jobs
@@ -69,6 +70,8 @@ class ResourceService:
         self.probe = probe
         self.jobs = jobs
         self.ledger = Ledger(self._job_running)
+        self.store = ReservationStore(settings.reservations_file, self.ledger.records)
+        self._background_saves: set[asyncio.Task[None]] = set()
         self._system = CachedValue(SYSTEM_READ_TTL_S)
         self._system_lock = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
@@ -95,9 +98,61 @@ class ResourceService:
     def get(self, reservation_id: str) -> dict[str, Any] | None:
         return self.ledger.get(reservation_id)
 
+    # --- durable changes (the REST routes) ------------------------------------------------------
+    async def reserve(self, req: ReservationRequest) -> dict[str, Any]:
+        """create(), answered once the ledger file holds it. Raises CapacityExceeded, or
+        LedgerNotPersisted (the reservation is undone)."""
+        view = self.create(req, persist=False)
+        try:
+            await self.store.commit()
+        except OSError as err:
+            self.ledger.discard(view["id"])
+            self.bus.publish(ReservationsChanged(reason="create undone"))
+            raise LedgerNotPersisted(
+                f"Cannot write {self.store.path}: {err.strerror or err}; nothing was reserved"
+            ) from None
+        return view
+
+    async def unreserve(self, reservation_id: str) -> dict[str, str]:
+        """release(), answered once the ledger file no longer holds it."""
+        res = self.ledger.release(reservation_id)
+        try:
+            await self.store.commit()
+        except OSError as err:
+            self.ledger.restore([res])
+            raise LedgerNotPersisted(
+                f"Cannot write {self.store.path}: {err.strerror or err}; nothing was released"
+            ) from None
+        log.info("reservation %s released (job %s)", res.id, res.job_id)
+        self.bus.publish(ReservationsChanged(reason="released"))
+        return {"detail": "released", "id": res.id}
+
+    def _persist_soon(self) -> None:
+        """Write the ledger without waiting (expiry sweeps, callers without a loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            try:
+                self.store.write_now()
+            except OSError as err:
+                log.error("cannot write %s: %s", self.store.path, err)
+            return
+
+        async def save() -> None:
+            try:
+                await self.store.commit()
+            except OSError as err:
+                log.error("cannot write %s: %s", self.store.path, err)
+
+        task = loop.create_task(save())
+        self._background_saves.add(task)
+        task.add_done_callback(self._background_saves.discard)
+
     # --- changes (call from the event-loop thread: they publish) ------------------------------
-    def create(self, req: ReservationRequest) -> dict[str, Any]:
-        """Reserve capacity; the view of the new reservation. Raises CapacityExceeded."""
+    def create(self, req: ReservationRequest, *, persist: bool = True) -> dict[str, Any]:
+        """Reserve capacity; the view of the new reservation. Raises CapacityExceeded.
+
+        Written to the ledger file in the background; `reserve()` waits for the write."""
         # Expired reservations must not refuse a request while they wait for the next sweep.
         self.cleanup_expired(count_run=False)
         view = self.ledger.create(
@@ -114,6 +169,8 @@ class ResourceService:
             view["disk_gb"],
         )
         self.bus.publish(ReservationsChanged(reason="created"))
+        if persist:
+            self._persist_soon()
         return view
 
     def release(self, reservation_id: str) -> dict[str, str]:
@@ -121,6 +178,7 @@ class ResourceService:
         res = self.ledger.release(reservation_id)
         log.info("reservation %s released (job %s)", res.id, res.job_id)
         self.bus.publish(ReservationsChanged(reason="released"))
+        self._persist_soon()
         return {"detail": "released", "id": res.id}
 
     def cleanup_expired(self, now: datetime | None = None, *, count_run: bool = True) -> int:
@@ -131,6 +189,7 @@ class ResourceService:
         if removed:
             log.info("expired reservations removed: %s", ", ".join(removed))
             self.bus.publish(ReservationsChanged(reason="expired"))
+            self._persist_soon()
         return len(removed)
 
     async def refresh_usage(self) -> None:
@@ -151,6 +210,11 @@ class ResourceService:
         self.usage_refreshes += 1
 
     # --- lifecycle -------------------------------------------------------------------------------
+    async def load_state(self) -> None:
+        """Read the ledger file before any service starts (Host._load_state); a file that
+        cannot be parsed stops the host (StateFileError)."""
+        self.ledger.restore(await asyncio.to_thread(self.store.load))
+
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(
@@ -170,6 +234,8 @@ class ResourceService:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._background_saves:
+            await asyncio.gather(*self._background_saves, return_exceptions=True)
 
     async def _cleanup_async(self) -> None:
         self.cleanup_expired()

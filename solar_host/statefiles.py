@@ -1,0 +1,247 @@
+"""Durable state files (config.json, the jobs store, the reservation store, api_key).
+
+Three rules every state file follows:
+
+- Writes are atomic and fsynced (temp file, fsync, rename, fsync of the directory): a host
+  killed in the middle of a write leaves the previous file whole.
+- Every write keeps the version it replaces as `<file>.prev`, the last good copy. The file being
+  replaced is always one this host read and parsed, or wrote itself, so the copy is good. It is a
+  hard link to the old inode (files are only ever replaced, never written in place): no copy.
+- A file that cannot be read or parsed is refused, never replaced: `StateFileError` names the
+  file, the error and the last good copy, and the host stops before anything writes.
+  `solar-host restore-state` puts the last good copies back (see restore.py).
+
+`GroupCommit` makes many concurrent changes cost one write: each caller waits for the first
+write that starts after its change, and that write covers every change made until it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PRIVATE = 0o600
+
+
+class StateFileError(RuntimeError):
+    """A state file cannot be read or parsed; the host must not start on it."""
+
+    def __init__(self, path: Path, error: str):
+        self.path = path
+        self.error = error
+        super().__init__(describe_damage(path, error))
+
+
+def last_good_path(path: Path) -> Path:
+    """Where the version before the last write of `path` is kept."""
+    return path.with_name(path.name + ".prev")
+
+
+def describe_damage(path: Path, error: str) -> str:
+    """One line: the file, what is wrong, and where the last good copy is."""
+    prev = last_good_path(path)
+    if prev.is_file():
+        where = f"last good copy: {prev} (start from it: solar-host restore-state)"
+    else:
+        where = "no last good copy exists"
+    return f"cannot use state file {path}: {error}; nothing was changed; {where}"
+
+
+def read_state_bytes(path: Path) -> bytes | None:
+    """The file's bytes; None when it does not exist (a first start). Refuses what is there but
+    cannot be read (a directory in its place, no permission, an I/O error)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise StateFileError(path, err.strerror or str(err)) from None
+
+
+def decode_text(path: Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise StateFileError(path, f"not UTF-8 text (byte {err.start})") from None
+
+
+def sweep_temp_files(path: Path) -> None:
+    """Temp files of writes that were killed midway: the real file is whole, drop them."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def tighten_mode(path: Path, mode: int = PRIVATE) -> None:
+    """Clear permission bits beyond `mode` on an existing file or directory (logged)."""
+    try:
+        current = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return
+    if current & ~mode:
+        try:
+            os.chmod(path, current & mode)
+        except OSError as err:
+            log.warning("cannot tighten the mode of %s (%o): %s", path, current, err)
+            return
+        log.warning("tightened the mode of %s from %04o to %04o", path, current, current & mode)
+
+
+def private_dir(path: Path, mode: int = 0o750) -> None:
+    """Create `path` (and parents) with `mode`; an existing one is tightened to it."""
+    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    tighten_mode(path, mode)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def atomic_write_bytes(
+    path: Path, data: bytes, mode: int = 0o644, *, keep_previous: bool = False
+) -> None:
+    """Write `data` to `path` so that readers see the old or the new file, never a mix.
+
+    With `keep_previous`, the file being replaced becomes `<path>.prev` first.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if keep_previous:
+            _link_previous(path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _link_previous(path: Path) -> None:
+    """`<path>.prev` becomes the current `path` (same inode), atomically."""
+    prev = last_good_path(path)
+    link_tmp = path.with_name(f".{prev.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(link_tmp)
+    try:
+        os.link(path, link_tmp)
+    except FileNotFoundError:
+        return  # nothing to keep: the first write
+    except OSError as err:
+        # A filesystem without hard links: copy instead (the previous write's bytes).
+        if err.errno not in (1, 18, 38, 95):  # EPERM, EXDEV, ENOSYS, EOPNOTSUPP
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            atomic_write_bytes(prev, path.read_bytes(), stat.S_IMODE(path.stat().st_mode))
+        return
+    os.replace(link_tmp, prev)
+
+
+class GroupCommit:
+    """One writer for one file; concurrent changes share writes.
+
+    `encode()` runs on the event loop (the state it reads belongs to the loop) at the start of
+    each write, so a write covers every change made before it started; `write(bytes)` runs in a
+    worker thread. A caller of `commit()` returns once a write that started after its call has
+    finished, and gets that write's error (so it can undo its change).
+    """
+
+    def __init__(self, encode: Callable[[], bytes | None], write: Callable[[bytes], None]):
+        self._encode = encode
+        self._write = write
+        self._waiting: list[asyncio.Future[None]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.writes = 0
+
+    async def commit(self) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._run(), name="state-file-writer")
+        # Shielded: a caller that goes away (a client disconnect) does not cancel the write.
+        await asyncio.shield(fut)
+
+    async def _run(self) -> None:
+        while self._waiting:
+            covered, self._waiting = self._waiting, []
+            error: BaseException | None = None
+            try:
+                data = self._encode()
+                if data is not None:
+                    await asyncio.to_thread(self._write, data)
+                    self.writes += 1
+            except Exception as err:  # handed to every caller this write covered
+                error = err
+            for fut in covered:
+                if fut.done():
+                    continue
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+        self._writer = None
+
+    async def drain(self) -> None:
+        """Wait until no write is running or queued."""
+        while self._writer is not None and not self._writer.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._writer)
+
+
+# --- api_key ---------------------------------------------------------------------------------
+
+
+def parse_api_key(path: Path, raw: bytes) -> str:
+    key = decode_text(path, raw).strip()
+    if not key:
+        raise StateFileError(path, "the file is empty (no API key in it)")
+    if any(c.isspace() or not c.isprintable() for c in key):
+        raise StateFileError(path, "the key holds whitespace or control characters")
+    return key
+
+
+def read_api_key(path: Path) -> str | None:
+    """The stored key; None when no file exists. Refuses an empty or unreadable file, and
+    keeps `<file>.prev` as a copy of a good key (the file is written once, so the last good
+    copy is a second copy)."""
+    raw = read_state_bytes(path)
+    if raw is None:
+        return None
+    key = parse_api_key(path, raw)
+    tighten_mode(path)
+    prev = last_good_path(path)
+    try:
+        if prev.read_bytes() == raw:
+            return key
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(prev, raw, PRIVATE)
+    return key
+
+
+def store_api_key(path: Path, key: str) -> None:
+    data = (key + "\n").encode()
+    atomic_write_bytes(path, data, PRIVATE)
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(last_good_path(path), data, PRIVATE)

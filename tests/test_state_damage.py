@@ -1,0 +1,297 @@
+"""Damaged state files: a real host (subprocess, scripted backend) with a running backend.
+
+For each damage (config.json cut in half, emptied, one 0xFF byte, `null`, a non-list
+`instances`, a directory in its place; an emptied or unreadable api_key; a damaged jobs or
+reservation store) the host refuses to start: exit 1, one line naming the file and its last good
+copy, the file's bytes unchanged, the backend still alive; once the file is repaired (its bytes
+put back, or `solar-host restore-state`) the backend is adopted (same pid). One entry that no
+longer validates is quarantined instead: kept verbatim, its backend left alone, the rest loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from pydantic_core import to_json
+
+from tests.fixtures.host import API_KEY
+from tests.fixtures.hostproc import ROOT, HostProc
+from tests.fixtures.script_backend import script_config
+
+REFUSAL = "cannot use state file"
+
+
+def running(h: HostProc, alias: str) -> tuple[str, int]:
+    """Create and start an instance; (id, backend pid)."""
+    with h.client() as c:
+        r = c.post("/instances", json={"config": script_config(h.tmp, alias=alias)})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        r = c.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        return iid, r.json()["instance"]["pid"]
+
+
+def written(h: HostProc, pid: int) -> None:
+    """Wait until config.json records the backend as running and its last good copy records
+    the process too (the copy is one save older: restoring it must still know the backend)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            docs = [
+                json.loads((h.tmp / n).read_bytes()) for n in ("config.json", "config.json.prev")
+            ]
+            cur, prev = (d["instances"][0] for d in docs)
+            if cur["instance"]["status"] == "running" and (prev["process"] or {}).get("pid") == pid:
+                return
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        assert time.monotonic() < deadline, "config.json never recorded the running backend"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def refused(h: HostProc, path: Path) -> str:
+    """Start the host on damaged state: it must exit 1 with one line naming `path`."""
+    before = len(h.log())
+    h.start(wait=False)
+    assert h.proc is not None
+    try:
+        code = h.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the host started on a damaged {path.name}:\n{h.log()}")
+    out = h.log()[before:] if len(h.log()) > before else h.log()
+    lines = [ln for ln in out.splitlines() if REFUSAL in ln]
+    assert code == 1, out
+    assert len(lines) == 1 and str(path) in lines[0], out
+    assert "Traceback" not in out
+    return lines[0]
+
+
+def adopted(h: HostProc, iid: str, pid: int) -> None:
+    h.start()
+    with h.client() as c:
+        inst = c.get(f"/instances/{iid}").json()
+    assert inst["status"] == "running" and inst["pid"] == pid, inst
+
+
+def restore_state(h: HostProc) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "solar_host", "restore-state", "--env-file", "none.env"],
+        env={**h.env(), "PYTHONPATH": str(ROOT)},
+        cwd=h.tmp,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("x")
+        return
+    raw = path.read_bytes()
+    data = {
+        "cut in half": raw[: len(raw) // 2],
+        "emptied": b"",
+        "0xFF byte": b"\xff",
+        "null": b"null",
+        "instances not a list": b'{"roles": ["inference"], "instances": "x"}',
+    }[how]
+    path.write_bytes(data)
+
+
+def snapshot(path: Path) -> Any:
+    if path.is_dir():
+        return sorted((p.name, p.read_bytes()) for p in path.iterdir())
+    return path.read_bytes()
+
+
+def repair(path: Path, good: bytes) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.write_bytes(good)
+
+
+CONFIG_DAMAGE = ["cut in half", "emptied", "0xFF byte", "null", "instances not a list", "directory"]
+
+
+@pytest.mark.parametrize("how", CONFIG_DAMAGE)
+def test_damaged_config_json_is_refused_and_nothing_is_touched(tmp_path: Path, how: str) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        written(h, pid)
+        h.kill()
+        cfg = tmp_path / "config.json"
+        good = cfg.read_bytes()
+        damage(cfg, how)
+        damaged = snapshot(cfg)
+        others = sorted(p.name for p in tmp_path.iterdir())
+        line = refused(h, cfg)
+        assert "last good copy" in line and "config.json.prev" in line
+        assert "restore-state" in line
+        assert snapshot(cfg) == damaged
+        assert sorted(p.name for p in tmp_path.iterdir()) == others  # nothing written beside
+        assert alive(pid)
+        if how == "cut in half":
+            # The documented way back: the last good copy; the damaged file is kept aside.
+            p = restore_state(h)
+            assert p.returncode == 0, p.stdout + p.stderr
+            assert "config.json.prev" in p.stdout
+            [aside] = [q for q in tmp_path.iterdir() if ".damaged-" in q.name]
+            assert aside.read_bytes() == damaged
+            json.loads(cfg.read_text())
+        else:
+            repair(cfg, good)
+        adopted(h, iid, pid)
+
+
+def test_one_entry_that_no_longer_validates_is_quarantined(tmp_path: Path) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        keep, keep_pid = running(h, "keep")
+        odd, odd_pid = running(h, "odd")
+        h.kill()
+        cfg = tmp_path / "config.json"
+        good = cfg.read_bytes()
+        doc = json.loads(good)
+        [entry] = [e for e in doc["instances"] if e["instance"]["id"] == odd]
+        entry["instance"]["config"]["backend_type"] = "llamacpp-retired"  # as after an upgrade
+        entry["instance"]["config"]["ctx_size"] = "a size a newer release understood"
+        damaged = to_json(doc, indent=2, ensure_ascii=True)
+        cfg.write_bytes(damaged)
+        h.start()
+        with h.client() as c:
+            insts = c.get("/instances").json()
+            assert [i["id"] for i in insts] == [keep]
+            assert insts[0]["status"] == "running" and insts[0]["pid"] == keep_pid
+            [q] = c.get("/instances/quarantined").json()
+            assert q["id"] == odd and q["pid"] == odd_pid and q["index"] == 1
+            assert "backend_type" in q["reason"] and q["entry"] == entry
+            assert cfg.read_bytes() == damaged  # the start rewrote nothing
+            assert alive(odd_pid)  # the boot sweep left its backend alone
+            # A save (a create) writes the entry back verbatim, at its place.
+            r = c.post("/instances", json={"config": script_config(tmp_path, alias="new")})
+            assert r.status_code == 200
+            entries = json.loads(cfg.read_text())["instances"]
+            assert entries[1] == entry and len(entries) == 3
+            assert c.get(f"/instances/{odd}").status_code == 404
+        assert "quarantined" in h.log() and odd in h.log()
+        h.kill()
+        # Repaired (the upgrade undone): adopted, same pid.
+        doc = json.loads(cfg.read_text())
+        doc["instances"][1] = json.loads(good)["instances"][1]
+        cfg.write_bytes(to_json(doc, indent=2, ensure_ascii=True))
+        adopted(h, odd, odd_pid)
+        adopted_keep = h.client().get(f"/instances/{keep}").json()
+        assert adopted_keep["pid"] == keep_pid
+
+
+def test_operator_deletes_a_quarantined_entry(tmp_path: Path) -> None:
+    with HostProc(tmp_path) as h:
+        h.start()
+        odd, odd_pid = running(h, "odd")
+        h.kill()
+        cfg = tmp_path / "config.json"
+        doc = json.loads(cfg.read_bytes())
+        doc["instances"][0]["instance"]["config"]["backend_type"] = "gone"
+        cfg.write_bytes(to_json(doc, indent=2, ensure_ascii=True))
+        h.start()
+        with h.client() as c:
+            assert alive(odd_pid)
+            r = c.delete(f"/instances/{odd}")
+            assert r.status_code == 200, r.text
+            assert r.json()["quarantined"]["id"] == odd
+            assert c.get("/instances/quarantined").json() == []
+            assert c.delete(f"/instances/{odd}").status_code == 404
+        assert json.loads(cfg.read_text())["instances"] == []
+        deadline = time.monotonic() + 20
+        while alive(odd_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(odd_pid)  # deleting it leaves nothing running
+
+
+@pytest.mark.parametrize("how", ["emptied", "directory"])
+def test_damaged_api_key_is_refused_not_regenerated(tmp_path: Path, how: str) -> None:
+    key_file = tmp_path / "api_key"
+    key_file.write_text(API_KEY + "\n")
+    with HostProc(tmp_path, env={"API_KEY": ""}) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        h.kill()
+        good = key_file.read_bytes()
+        assert (tmp_path / "api_key.prev").read_bytes() == good
+        if how == "emptied":
+            key_file.write_bytes(b"")
+        else:
+            damage(key_file, "directory")
+        damaged = snapshot(key_file)
+        line = refused(h, key_file)
+        assert "api_key.prev" in line
+        assert snapshot(key_file) == damaged
+        assert alive(pid)
+        p = restore_state(h)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert key_file.read_bytes() == good
+        adopted(h, iid, pid)
+
+
+@pytest.mark.parametrize("store", ["jobs/jobs_store.json", "reservations.json"])
+def test_damaged_jobs_or_reservation_store_is_refused(tmp_path: Path, store: str) -> None:
+    path = tmp_path / store
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        h.kill()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for damaged in (b'{"version": 1, "jo', b"\xff", b"[]"):
+            path.write_bytes(damaged)
+            refused(h, path)
+            assert path.read_bytes() == damaged
+            assert alive(pid)
+        path.unlink()
+        adopted(h, iid, pid)
+
+
+def test_state_files_are_private_and_loosened_ones_tightened(tmp_path: Path) -> None:
+    key_file = tmp_path / "api_key"
+    with HostProc(tmp_path, env={"API_KEY": ""}) as h:
+        key_file.write_text(API_KEY + "\n")
+        os.chmod(key_file, 0o644)
+        h.start()
+        with h.client() as c:
+            r = c.post(
+                "/resources/reservations", json={"job_id": "j", "vram_gb": 0, "ram_gb": 0.001}
+            )
+            assert r.status_code == 201, r.text
+        running(h, "keep")
+        h.kill()
+        mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+        for name in ("config.json", "config.json.prev", "reservations.json", "api_key"):
+            assert mode(tmp_path / name) == 0o600, name
+        assert mode(tmp_path / "logs") == 0o750
+        os.chmod(tmp_path / "config.json", 0o644)
+        os.chmod(tmp_path / "logs", 0o777)
+        h.start()
+        assert mode(tmp_path / "config.json") == 0o600
+        assert mode(tmp_path / "logs") == 0o750
+        assert "tightened the mode of" in h.log() and "config.json" in h.log()
