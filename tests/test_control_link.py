@@ -133,6 +133,7 @@ class FakeInstances:
     def __init__(self, bus: Any, start_delay: float = 0.0):
         self.bus = bus
         self.start_delay = start_delay
+        self.create_delay = 0.0
         self.items: dict[str, Instance] = {}
         self.calls: list[tuple[str, Any]] = []
         self._n = 0
@@ -142,6 +143,9 @@ class FakeInstances:
 
     def supported_backends(self) -> list[str]:
         return ["llamacpp"]
+
+    def get(self, instance_id: str) -> Instance:
+        return self._get(instance_id)
 
     def _get(self, instance_id: str) -> Instance:
         if instance_id not in self.items:
@@ -157,11 +161,16 @@ class FakeInstances:
         self.bus.publish(InstancesChanged(inst.id, inst.status.value, reason))
         return inst
 
-    async def create(self, config: dict, priority=None, managed_by=None, intent_id=None):
+    async def create(
+        self, config: dict, priority=None, managed_by=None, intent_id=None, instance_id=None
+    ):
         self.calls.append(("create", config))
+        if instance_id in self.items:
+            raise InstanceConflict(f"Instance {instance_id} already exists")
         self._n += 1
+        await asyncio.sleep(self.create_delay)
         inst = Instance(
-            id=f"inst-{self._n}",
+            id=instance_id or f"inst-{self._n}",
             config=config,
             created_at=datetime.now(UTC),
             priority=priority or "production",
@@ -485,16 +494,22 @@ async def test_instances_update_follows_each_change_promptly(tmp_path, known_ser
 
 
 async def test_reservation_change_pushes_health_early(tmp_path, known_server, link_factory):
-    host = make_host(tmp_path, known_server.url, health_report_interval_s=30.0)
+    host = make_host(
+        tmp_path, known_server.url, health_report_interval_s=30.0, control_report_echo_s="1.5"
+    )
     await link_factory(host)
     await known_server.wait_event("host_health")
     t0 = time.monotonic()
     for _ in range(5):  # a burst is debounced into one push
         host.bus.publish(ReservationsChanged("created"))
     await known_server.wait_event("host_health", count=2, within_s=2)
-    assert time.monotonic() - t0 < 1.0
-    await asyncio.sleep(0.4)
-    assert len(known_server.events("host_health")) == 2
+    pushed = time.monotonic() - t0
+    assert pushed < 1.0
+    # Then one echo, 1.5 s after the change, and nothing more.
+    await known_server.wait_event("host_health", count=3, within_s=4)
+    assert time.monotonic() - t0 >= 1.5
+    await asyncio.sleep(0.3)
+    assert len(known_server.events("host_health")) == 3
 
 
 async def test_log_flood_is_batched_capped_and_never_blocks(tmp_path, known_server, link_factory):
@@ -656,6 +671,10 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
         "ok": False,
         "status": 409,
         "detail": "Cannot delete a running instance; stop it first",
+        "error": {
+            "code": "conflict",
+            "message": "Cannot delete a running instance; stop it first",
+        },
     }
     assert (await call("stop_instance", {"instance_id": iid}))["instance"]["status"] == "stopped"
     assert (await call("restart_instance", {"instance_id": iid}))["ok"]
@@ -663,12 +682,18 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
     assert (await call("delete_instance", {"instance_id": iid}))["ok"]
 
     missing = await call("start_instance", {"instance_id": "nope"})
-    assert missing == {"ok": False, "status": 404, "detail": "Instance not found"}
+    assert missing == {
+        "ok": False,
+        "status": 404,
+        "detail": "Instance not found",
+        "error": {"code": "not_found", "message": "Instance not found"},
+    }
     no_id = await call("stop_instance", {})
     assert no_id["ok"] is False and no_id["status"] == 400 and "instance_id" in no_id["detail"]
     bad = await call("create_instance", {"priority": "urgent"})
-    assert bad["status"] == 422
+    assert bad["status"] == 422 and bad["error"]["code"] == "invalid_body"
     assert {tuple(e["loc"]) for e in bad["detail"]} == {("config",), ("priority",)}
+    assert "config" in bad["error"]["message"] and "priority" in bad["error"]["message"]
 
     broken = await call(
         "create_instance",
@@ -678,6 +703,7 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
     assert failed["ok"] is False and failed["status"] == 500
     assert failed["exit_code"] == 1 and failed["log_tail"] == ["boom"]
     assert "Process exited" in failed["detail"]
+    assert failed["error"]["code"] == "start_failed"
 
 
 async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
