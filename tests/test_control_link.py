@@ -211,6 +211,11 @@ class FakeInstances:
         await self.stop(instance_id)
         return await self.start(instance_id)
 
+    def crash(self, instance_id: str) -> Instance:
+        """The backend died: the supervisor's own transition, no command behind it."""
+        inst = self._get(instance_id)
+        return self._set(self._copy(inst, status="failed", port=None), "crashed")
+
 
 SNAPSHOT = {
     "memory_type": "RAM",
@@ -807,3 +812,243 @@ async def test_tls_verification_is_off_only_when_insecure(
     await wait_for(lambda: link.registered)
     assert made[0]["ssl_verify"] is (not insecure)
     assert made[0]["reconnection"] is False
+
+
+# --- crash recovery through a control quiet window ---------------------------------------------
+
+
+@pytest.mark.parametrize("echo", ["1,2,3,4,5", ""])
+async def test_crash_inside_the_settle_window_is_seen_within_a_second_after_it(
+    tmp_path, known_server, link_factory, echo
+):
+    """Control's reconciler ignores an intent for 3 s after creating its replica; a crash the
+    host reports inside that window must reach it again within 1 s after the window."""
+    window = 3.0
+    known_server.settle_window_s = window
+    host = make_host(tmp_path, known_server.url, control_report_echo_s=echo)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    created = await known_server.call(
+        "create_instance",
+        {
+            "config": {"backend_type": "llamacpp", "alias": "r:1b", "model": "/r.gguf"},
+            "managed_by": "intent",
+            "intent_id": "intent-1",
+        },
+    )
+    opened = known_server.intent_created["intent-1"]
+    iid = created["instance"]["id"]
+    assert (await known_server.call("start_instance", {"instance_id": iid}))["ok"]
+    await asyncio.sleep(0.3)
+    host.instances.crash(iid)  # well inside the window
+    await known_server.wait_until(
+        lambda: any(e.get("status") == "failed" for e in known_server.cache), within_s=2
+    )
+    assert time.monotonic() - opened < window  # the report itself landed in the window
+
+    def failed_seen() -> list[Any]:
+        return [o for o in known_server.observed if o.status == "failed" and o.instance_id == iid]
+
+    if echo:
+        (first, *_) = await known_server.wait_until(failed_seen, within_s=window + 3)
+        assert window <= first.at - opened <= window + 1.0, first.at - opened
+        assert link.metrics()["echoes"] >= 1
+    else:
+        # Without echoes nothing wakes the reconciler until the next health tick (30 s here):
+        # the fixture's window really swallows the report.
+        await asyncio.sleep(window + 1.5 - (time.monotonic() - opened))
+        assert not failed_seen() and known_server.skipped_wakes >= 1
+
+
+# --- bounded, coalesced reporting --------------------------------------------------------------
+
+
+async def test_a_burst_of_2000_changes_sends_a_few_dozen_full_lists(
+    tmp_path, known_server, link_factory
+):
+    host = make_host(tmp_path, known_server.url, health_report_interval_s=30.0)
+    link = await link_factory(host)
+    await known_server.wait_event("host_health")
+    lists0 = len(known_server.events("instances_update"))
+    health0 = len(known_server.events("host_health"))
+    t0 = time.monotonic()
+    config = {"backend_type": "llamacpp", "alias": "b:1b", "model": "/b.gguf"}
+    for i in range(2000):
+        await host.instances.create(dict(config))
+        if i % 20 == 19:
+            await asyncio.sleep(0.02)  # spread over about two seconds
+    burst_s = time.monotonic() - t0
+    # Wait for the newest list and then for the echoes to end (the last at +5 s).
+    await known_server.wait_until(
+        lambda: len(known_server.events("instances_update")[-1]["data"]["instances"]) == 2000,
+        within_s=10,
+    )
+    await wait_for(lambda: not link.instances_reporter.pending, within_s=15)
+    await asyncio.sleep(0.3)
+    lists = known_server.events("instances_update")[lists0:]
+    healths = known_server.events("host_health")[health0:]
+    elapsed = time.monotonic() - t0
+    # At most ~10 per second while changes come, then the five echoes.
+    assert 2 <= len(lists) <= 10 * burst_s + 5 + 3, (len(lists), burst_s)
+    assert len(lists) < 60
+    assert len(healths) <= 10 * elapsed + 3, (len(healths), elapsed)
+    # Each one is a full list (control replaces its cache with it), and they only grow.
+    sizes = [len(b["data"]["instances"]) for b in lists]
+    assert sizes == sorted(sizes) and sizes[-1] == 2000
+    InstancesUpdate.model_validate(lists[-1])
+    gaps = [
+        b.at - a.at
+        for a, b in zip(
+            [r for r in known_server.received if r.event == "instances_update"][lists0:],
+            [r for r in known_server.received if r.event == "instances_update"][lists0 + 1 :],
+            strict=False,
+        )
+    ]
+    assert min(gaps) >= 0.05, min(gaps)  # 0.1 s apart when sent; delivery adds jitter
+
+
+# --- commands: one answer each -----------------------------------------------------------------
+
+
+async def test_commands_beyond_the_bound_are_answered_busy(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url, control_max_commands_in_flight=4)
+    host.instances.start_delay = 1.0
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    created = await known_server.call(
+        "create_instance",
+        {"config": {"backend_type": "llamacpp", "alias": "s:1b", "model": "/s.gguf"}},
+    )
+    iid = created["instance"]["id"]
+    answers = await known_server.flood([("start_instance", {"instance_id": iid})] * 20)
+    assert None not in answers  # every command answered
+    ok = [a for a in answers if a["ok"]]
+    busy = [a for a in answers if not a["ok"]]
+    assert len(ok) == 4 and len(busy) == 16
+    assert {a["error"]["code"] for a in busy} == {"busy"} and {a["status"] for a in busy} == {503}
+    assert link.metrics()["commands_refused"]["busy"] == 16
+    assert link.commands.in_flight == 0
+    # Free again once they finished.
+    assert (await known_server.call("stop_instance", {"instance_id": iid}))["ok"]
+
+
+async def test_oversized_and_malformed_commands_each_get_one_structured_answer(
+    tmp_path, known_server, link_factory
+):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    call = known_server.call
+    huge = {
+        "config": {
+            "backend_type": "llamacpp",
+            "alias": "big",
+            "model": "/b.gguf",
+            "x": "a" * (3 * 1024 * 1024),
+        }
+    }
+    t0 = time.monotonic()
+    big = await call("create_instance", huge)
+    assert time.monotonic() - t0 < 5
+    assert big["ok"] is False and big["status"] == 413
+    assert big["error"]["code"] == "payload_too_large" and "1048576" in big["error"]["message"]
+    assert host.instances.items == {}  # nothing created
+    assert link.registered  # the link survived it
+    for payload in (None, "start", ["instance_id"], 42):
+        answer = await call("start_instance", payload)
+        assert answer["ok"] is False and answer["status"] == 400, payload
+        assert answer["error"]["code"] == "invalid_request"
+    wrong = await call("stop_instance", {"instance_id": 7})
+    assert wrong["status"] == 400 and "instance_id" in wrong["error"]["message"]
+    nope = await call("delete_instance", {"instance_id": "missing"})
+    assert nope["error"] == {"code": "not_found", "message": "Instance not found"}
+    gone = await call("update_instance", {"instance_id": "missing", "managed_by": None})
+    assert gone["status"] == 404 and gone["error"]["code"] == "not_found"
+    # The link still works normally.
+    ok = await call(
+        "create_instance",
+        {"config": {"backend_type": "llamacpp", "alias": "k", "model": "/k.gguf"}},
+    )
+    assert ok["ok"] is True
+
+
+async def test_a_create_carrying_an_id_is_idempotent(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    host.instances.create_delay = 0.3
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    body = {
+        "instance_id": "replica-7",
+        "config": {"backend_type": "llamacpp", "alias": "i:1b", "model": "/i.gguf"},
+        "managed_by": "intent",
+        "intent_id": "intent-7",
+    }
+    # The sender retries while the first create still runs, and once more afterwards.
+    first, retry = await known_server.flood([("create_instance", body)] * 2)
+    again = await known_server.call("create_instance", body)
+    assert first["ok"] and retry["ok"] and again["ok"]
+    assert {a["instance"]["id"] for a in (first, retry, again)} == {"replica-7"}
+    assert "existing" not in first and retry["existing"] and again["existing"]
+    assert list(host.instances.items) == ["replica-7"]
+    assert [c for c in host.instances.calls if c[0] == "create"] == [("create", body["config"])]
+    for bad_id in ("", "../x", "a" * 200, 12, "has space"):
+        answer = await known_server.call("create_instance", {**body, "instance_id": bad_id})
+        assert answer["status"] == 422 and answer["detail"][0]["loc"] == ["instance_id"], bad_id
+    assert list(host.instances.items) == ["replica-7"]
+
+
+# --- hostile and malformed events ----------------------------------------------------------------
+
+
+async def test_an_ack_after_rejected_keeps_the_link_reconnecting(
+    tmp_path, known_server, link_factory
+):
+    known_server.connect_script = [
+        ("rejected", {"reason": "changed my mind"}),
+        ("registration_ack", {"host_id": "host-1", "host_name": "h", "timestamp": "t"}),
+    ]
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    assert not link.rejected and link.host_id == "host-1"
+    known_server.connect_script = None
+    await known_server.drop()
+    await known_server.wait_until(lambda: len(known_server.connects) == 2, within_s=5)
+    await wait_for(lambda: link.registered)
+    # And a rejection as the last word does stop it, for this key.
+    known_server.connect_script = [("rejected", {"reason": 17})]
+    await known_server.drop()
+    await known_server.wait_until(lambda: len(known_server.connects) == 3, within_s=5)
+    await wait_for(lambda: link.rejected)
+    assert link.rejected_reason is None and link.metrics()["ignored_fields"] >= 1
+    await known_server.drop()
+    await asyncio.sleep(1.0)  # 3x the backoff cap
+    assert len(known_server.connects) == 3
+
+
+async def test_wrong_typed_fields_are_ignored_and_nothing_wedges(tmp_path, server, link_factory):
+    host = make_host(tmp_path, server.url, health_report_interval_s=0.3)
+    link = await link_factory(host)
+    await server.wait_until(lambda: server.pending_ids())
+    sid = server.only_sid()
+    await wait_for(lambda: link.pending_id is not None)
+    for event, data in [
+        ("pending", {"pending_id": {"x": 1}}),
+        ("registration_ack", {"host_id": 123, "host_name": ["x"]}),
+        ("registration_ack", {"host_id": True}),
+        ("registration_ack", "not a dict"),
+        ("rejected", [1, 2]),
+        ("registration_ack", {"host_id": "h" * 10_000}),
+        ("no_such_event", {"a": 1}),
+        ("start_instance", "x" * 100),
+    ]:
+        await server.emit(event, data, sid=sid)
+    await wait_for(lambda: link.metrics()["ignored_fields"] >= 7)
+    # Wrong types (and a 10 kB id) never stored.
+    assert link.pending_id is None and link.host_id is None
+    # The last word was an ack (after the rejected): still connected, registered, not rejected.
+    assert link.registered and not link.rejected
+    n = len(server.events("host_health"))
+    await server.wait_event("host_health", count=n + 2, within_s=3)
+    await server.emit("registration_ack", {"host_id": "host-9", "host_name": "h9"}, sid=sid)
+    await wait_for(lambda: link.host_id == "host-9")

@@ -53,6 +53,8 @@ MAX_QUEUED_PACKETS = 32
 # Largest WebSocket message accepted from control: a bigger one closes the link (aiohttp), so
 # commands up to this size are read and answered (payload_too_large above the command limit).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Longest id or name accepted from control's events (uuids and names are far shorter).
+MAX_FIELD_CHARS = 256
 
 
 class ControlLinkUnavailable(RuntimeError):
@@ -449,15 +451,17 @@ class ControlLink:
             if name not in data or data[name] is None:
                 continue
             value = data[name]
-            if isinstance(value, kind) and not isinstance(value, bool):
-                out[name] = value[:256] if isinstance(value, str) else value
+            too_long = isinstance(value, str) and len(value) > MAX_FIELD_CHARS
+            if isinstance(value, kind) and not isinstance(value, bool) and not too_long:
+                out[name] = value
             else:
                 self.ignored_fields += 1
                 log.warning(
-                    "solar-control sent %s.%s as %s, expected %s; ignored",
+                    "solar-control sent %s.%s as %s%s, expected %s; ignored",
                     event,
                     name,
                     type(value).__name__,
+                    f" of {len(value)} characters" if too_long else "",
                     kind.__name__,
                 )
         return out
