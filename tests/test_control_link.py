@@ -904,7 +904,8 @@ async def test_a_burst_of_2000_changes_sends_a_few_dozen_full_lists(
             strict=False,
         )
     ]
-    assert min(gaps) >= 0.05, min(gaps)  # 0.1 s apart when sent; delivery adds jitter
+    # 0.1 s apart when sent; delivery jitter can pull two arrivals closer, not most of them.
+    assert sorted(gaps)[len(gaps) // 2] >= 0.09, sorted(gaps)
 
 
 # --- commands: one answer each -----------------------------------------------------------------

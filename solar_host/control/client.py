@@ -139,6 +139,7 @@ class ControlLink:
         self.instances_reporter = Reporter(
             self._report_instances, min_interval_s=min_interval, echo_s=echoes
         )
+        self.sync_reporter = Reporter(self._sync, min_interval_s=min_interval)
         self.health_reporter = Reporter(
             self._report_health,
             min_interval_s=min_interval,
@@ -152,7 +153,6 @@ class ControlLink:
         self._url_index = 0
         self._run_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
         self._unsubscribe: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
         self._emit_lock = asyncio.Lock()
@@ -220,6 +220,7 @@ class ControlLink:
             asyncio.create_task(self._flush_loop(), name="control-outbox"),
             asyncio.create_task(self.instances_reporter.run(), name="control-instances"),
             asyncio.create_task(self.health_reporter.run(), name="control-health"),
+            asyncio.create_task(self.sync_reporter.run(), name="control-sync"),
         ]
 
     async def stop(self) -> None:
@@ -233,7 +234,6 @@ class ControlLink:
             self._session.closed.set()
         self._wake.set()
         tasks = [t for t in (self._run_task, *self._tasks) if t]
-        tasks += list(self._background)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -474,13 +474,21 @@ class ControlLink:
             return
         session.synced_seq = session.ack_seq
         self.outbox.set_accepting(True)
-        self._spawn(self._sync(session))
+        # Through a Reporter: a control that repeats registration_ack hundreds of times gets
+        # a few coalesced syncs, not hundreds of full lists.
+        self.sync_reporter.mark(echo=False)
 
-    async def _sync(self, session: _Session) -> None:
+    async def _sync(self) -> bool:
+        session = self._session
+        if session is None or not session.acked or not session.ns_connected:
+            return True  # moot: the next ack syncs
+        if self._backed_up(session):
+            return False
         await self._send("registration", session)
         await self._send("instances_update", session)
         await self._send("host_health", session)
         self.health_reporter.sent_elsewhere()
+        return True
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -513,11 +521,6 @@ class ControlLink:
             return False
         self.sent[event] += 1
         return True
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def _backed_up(self, session: _Session) -> bool:
         """The socket's send queue holds more than a few packets: control (or the network) is
