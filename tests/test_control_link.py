@@ -7,6 +7,7 @@ Payloads are validated with pydantic models written from control-contract tables
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from solar_host.settings import Settings
 from tests.fixtures.control_server import ControlServer, free_port
 
 KEY = "test-host-key-0123456789"
+ROOT = Path(__file__).resolve().parents[1]
 
 # --- the contract, as pydantic models ---------------------------------------------------------
 
@@ -1053,3 +1055,68 @@ async def test_wrong_typed_fields_are_ignored_and_nothing_wedges(tmp_path, serve
     await server.wait_event("host_health", count=n + 2, within_s=3)
     await server.emit("registration_ack", {"host_id": "host-9", "host_name": "h9"}, sid=sid)
     await wait_for(lambda: link.host_id == "host-9")
+
+
+# --- a control that stops reading ----------------------------------------------------------------
+
+
+async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_path, link_factory):
+    """Control's process frozen (SIGSTOP): its socket stops reading, the host's TCP buffers fill,
+    and from then on reports wait (coalesced) and the outbox keeps its cap, instead of piling
+    full lists into the socket's send queue."""
+    import os
+    import signal
+    import sys
+
+    from solar_host.control.client import MAX_QUEUED_PACKETS
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.fixtures.control_server",
+        "--port",
+        str(port),
+        "--known",
+        f"{KEY}=host-1",
+        stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"listening" in line
+        host = make_host(
+            tmp_path, f"http://127.0.0.1:{port}", outbox_max_entries=1000, ws_reconnect_delay=0.2
+        )
+        link = await link_factory(host)
+        await wait_for(lambda: link.registered, within_s=20)
+        config = {"backend_type": "llamacpp", "alias": "q:1b", "model": "/q.gguf"}
+        for _ in range(1000):  # lists of ~400 kB each
+            await host.instances.create(dict(config))
+        os.kill(proc.pid, signal.SIGSTOP)
+        queue = link._session.sio.eio.queue  # type: ignore[union-attr]
+        now = datetime.now(UTC).isoformat()
+        peak = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 6:  # 6 s of changes and log lines, 10 lists/s wanted
+            inst = next(iter(host.instances.items.values()))
+            await host.instances.start(inst.id)
+            await host.instances.stop(inst.id)
+            for i in range(200):
+                host.bus.publish(LogLine(inst.id, i, now, "x" * 200))
+            peak = max(peak, queue.qsize())
+            await asyncio.sleep(0.05)
+        metrics = link.metrics()
+        assert metrics["reports_deferred"] >= 5, metrics
+        assert peak <= MAX_QUEUED_PACKETS + 8, peak
+        assert len(link.outbox) <= 1000 and metrics["dropped"]["log"] > 0
+        os.kill(proc.pid, signal.SIGCONT)
+        # Control reads again: the newest list gets through (on this session or a new one).
+        n = link.sent["instances_update"]
+        await wait_for(lambda: link.sent["instances_update"] > n, within_s=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
