@@ -1057,6 +1057,23 @@ async def test_wrong_typed_fields_are_ignored_and_nothing_wedges(tmp_path, serve
     await wait_for(lambda: link.host_id == "host-9")
 
 
+async def test_a_control_repeating_malformed_events_cannot_flood_the_log(
+    tmp_path, server, link_factory, caplog
+):
+    host = make_host(tmp_path, server.url)
+    link = await link_factory(host)
+    await server.wait_until(lambda: server.pending_ids())
+    sid = server.only_sid()
+    caplog.clear()
+    for _ in range(500):
+        await server.emit("pending", {"pending_id": 5}, sid=sid)
+        await server.emit("pending", {"pending_id": "same"}, sid=sid)
+    await wait_for(lambda: link.metrics()["ignored_fields"] >= 500, within_s=10)
+    control_lines = [r for r in caplog.records if r.name == "solar_host.control.client"]
+    assert len(control_lines) <= 60, len(control_lines)
+    assert link.connected
+
+
 # --- a control that stops reading ----------------------------------------------------------------
 
 

@@ -57,6 +57,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_FIELD_CHARS = 256
 
 
+def _worth_logging(count: int) -> bool:
+    """The first 20 of a kind of warning, then every 1,000th: a hostile peer repeating a
+    malformed event must not flood the host's log."""
+    return count <= 20 or count % 1000 == 0
+
+
 class ControlLinkUnavailable(RuntimeError):
     """The link is not running, so POST /reconnect cannot start a connection (503)."""
 
@@ -98,6 +104,7 @@ class _Session:
     ns_connected: bool = False
     ack_seq: int = 0
     synced_seq: int = 0
+    pending_logged: set[str | None] = field(default_factory=set)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -394,25 +401,31 @@ class ControlLink:
 
         async def on_registration_ack(data: Any = None) -> None:
             fields = self._fields("registration_ack", data, host_id=str, host_name=str)
+            known = self.host_id
             if fields.get("host_id"):
                 self.host_id = fields["host_id"]
             self.pending_id = None
             self._clear_rejection()  # control's newest word: approved
             session.ack_seq += 1
-            log.info(
-                "registered with solar-control as %s (%s)", fields.get("host_name"), self.host_id
-            )
+            if session.ack_seq == 1 or self.host_id != known:  # not once per repeated ack
+                log.info(
+                    "registered with solar-control as %s (%s)",
+                    fields.get("host_name"),
+                    self.host_id,
+                )
             # Often this arrives before the namespace counts as connected (contract 8.2): then
             # the connect handler runs the sync.
             self._maybe_sync(session)
 
         async def on_pending(data: Any = None) -> None:
             fields = self._fields("pending", data, pending_id=str)
-            self.pending_id = fields.get("pending_id") or None
+            pending_id = fields.get("pending_id") or None
+            # Once per id (a few ids per session): a repeating control cannot flood the log.
+            if pending_id not in session.pending_logged and len(session.pending_logged) < 5:
+                session.pending_logged.add(pending_id)
+                log.warning("solar-control: waiting for admin approval (pending id %s)", pending_id)
+            self.pending_id = pending_id
             self._clear_rejection()  # control's newest word: waiting, not refused
-            log.warning(
-                "solar-control: waiting for admin approval (pending id %s)", self.pending_id
-            )
 
         async def on_rejected(data: Any = None) -> None:
             fields = self._fields("rejected", data, reason=str)
@@ -444,7 +457,10 @@ class ControlLink:
             return {}
         if not isinstance(data, dict):
             self.ignored_fields += 1
-            log.warning("solar-control sent %s with a %s payload; ignored", event, type(data))
+            if _worth_logging(self.ignored_fields):
+                log.warning(
+                    "solar-control sent %s with a %s payload; ignored", event, type(data).__name__
+                )
             return {}
         out: dict[str, Any] = {}
         for name, kind in types.items():
@@ -456,6 +472,8 @@ class ControlLink:
                 out[name] = value
             else:
                 self.ignored_fields += 1
+                if not _worth_logging(self.ignored_fields):
+                    continue
                 log.warning(
                     "solar-control sent %s.%s as %s%s, expected %s; ignored",
                     event,
