@@ -200,3 +200,44 @@ async def test_hostile_control_never_wedges_the_link_and_memory_stays_bounded(ho
     for mode, peak in peaks.items():
         assert peak < RSS_LIMIT_MB, (mode, peaks)
     assert sampler.peak_mb < RSS_LIMIT_MB, peaks
+
+
+async def test_a_crashed_intent_replica_reaches_control_after_its_settle_window(hostile):
+    """Contract 7.11 against the real supervisor: control creates and starts an intent's
+    replica, the backend is killed inside control's 3 s settle window, and control's reconciler
+    sees the `failed` replica within 1 s after the window (the host repeats its report)."""
+    server, host = hostile
+    await registered(server)
+    window = 3.0
+    server.settle_window_s = window
+    body = {
+        "instance_id": "replica-1",
+        "config": script_config(host.tmp, alias="tiny:1b"),
+        "managed_by": "intent",
+        "intent_id": "intent-1",
+    }
+    created = await server.call("create_instance", body, within_s=30)
+    assert created["ok"], created
+    assert "intent-1" in server.intent_created  # the create opened the window
+    # A retried create is the same replica.
+    again = await server.call("create_instance", body, within_s=30)
+    assert again["ok"] and again["existing"] and again["instance"]["id"] == "replica-1"
+    started = await server.call("start_instance", {"instance_id": "replica-1"}, within_s=60)
+    assert started["ok"], started
+    pid = started["instance"]["pid"]
+    # As if control had created the replica half a second before the crash (a loaded machine
+    # may take longer than the window to start it): the crash lands well inside the window.
+    opened = server.intent_created["intent-1"] = time.monotonic() - 0.5
+    psutil.Process(pid).kill()
+    await server.wait_until(
+        lambda: any(e.get("status") == "failed" for e in server.cache), within_s=window
+    )
+    seen = await server.wait_until(
+        lambda: [o for o in server.observed if o.status == "failed"], within_s=window + 5
+    )
+    late = seen[0].at - opened
+    assert window <= late <= window + 1.0, late
+    async with httpx.AsyncClient(timeout=30, headers={"X-API-Key": API_KEY}) as client:
+        listed = (await client.get(host.url + "/instances")).json()
+    listed = listed["instances"] if isinstance(listed, dict) else listed
+    assert [i["status"] for i in listed] == ["failed"]  # control owns its recovery (ruling 6)

@@ -838,10 +838,11 @@ async def test_crash_inside_the_settle_window_is_seen_within_a_second_after_it(
             "intent_id": "intent-1",
         },
     )
-    opened = known_server.intent_created["intent-1"]
+    assert "intent-1" in known_server.intent_created  # the create opened the window
     iid = created["instance"]["id"]
     assert (await known_server.call("start_instance", {"instance_id": iid}))["ok"]
-    await asyncio.sleep(0.3)
+    # As if the replica had been created half a second before the crash, whatever the load.
+    opened = known_server.intent_created["intent-1"] = time.monotonic() - 0.5
     host.instances.crash(iid)  # well inside the window
     await known_server.wait_until(
         lambda: any(e.get("status") == "failed" for e in known_server.cache), within_s=2
