@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from datetime import UTC, datetime
@@ -1138,3 +1139,44 @@ async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_pat
             os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         await proc.wait()
+
+
+# --- the Reporter on its own ----------------------------------------------------------------------
+
+
+async def test_reporter_coalesces_bounds_the_rate_echoes_and_survives_a_failing_send():
+    from solar_host.control.reporter import Reporter
+
+    sends: list[float] = []
+    fail_next = [True]
+
+    async def send() -> bool:
+        if fail_next[0]:
+            fail_next[0] = False
+            raise RuntimeError("boom")  # a bug in one send
+        sends.append(time.monotonic())
+        return True
+
+    reporter = Reporter(send, min_interval_s=0.1, echo_s=(0.5, 1.0), cost_factor=0)
+    task = asyncio.create_task(reporter.run())
+    try:
+        reporter.mark()
+        await wait_for(lambda: not fail_next[0])  # the failing send was attempted
+        t0 = time.monotonic()
+        for _ in range(100):  # 100 marks in ~0.5 s: about five sends, not 100
+            reporter.mark()
+            await asyncio.sleep(0.005)
+        last_change = time.monotonic()
+        await wait_for(lambda: not reporter.pending, within_s=5)
+        during = [t for t in sends if t <= last_change + 0.01]
+        after = [t - last_change for t in sends if t > last_change + 0.01]
+        assert 2 <= len(during) <= (last_change - t0) / 0.1 + 2, len(during)
+        assert all(b - a >= 0.099 for a, b in itertools.pairwise(sends))
+        # The last change itself (coalesced), then the two echoes counted from it.
+        assert len(after) in (2, 3), after
+        assert 0.45 <= after[-2] <= 0.95 and 0.95 <= after[-1] <= 1.6, after
+        assert reporter.echoes == 2 and reporter.coalesced >= 50
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

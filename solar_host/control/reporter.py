@@ -19,9 +19,12 @@ nothing here knows control's constants.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Reporter:
@@ -113,7 +116,11 @@ class Reporter:
                 self._echo_due.pop(0)
             # Stamped before the send, so a send that fails fast cannot spin the loop.
             self._last_sent = now
-            sent = await self._send()
+            try:
+                sent = await self._send()
+            except Exception:  # a bug in one send must not end the reports for good
+                log.exception("sending a report failed")
+                sent = True
             end = self._clock()
             self._next_allowed = end + self.cost_factor * (end - now)
             if sent:
