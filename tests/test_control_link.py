@@ -1180,3 +1180,15 @@ async def test_reporter_coalesces_bounds_the_rate_echoes_and_survives_a_failing_
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@pytest.mark.parametrize("bad", ["1,x", "0", "-1", "61"])
+def test_a_bad_echo_schedule_is_refused_naming_the_setting(bad):
+    from solar_host.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="CONTROL_REPORT_ECHO_S"):
+        load_settings(None, environ={"API_KEY": KEY, "CONTROL_REPORT_ECHO_S": bad})
+    assert Settings(api_key=KEY, control_report_echo_s=" 2, 0.5 ,").control_echo_delays == [
+        0.5,
+        2.0,
+    ]
