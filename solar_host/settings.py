@@ -201,6 +201,27 @@ class Settings(BaseModel):
     outbox_flush_interval_s: float = Field(
         default=0.1, gt=0, description="Batching period of log/state/step-log events."
     )
+    control_report_min_interval_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="Least time between two instances_update (and two host_health) sends; "
+        "changes in between are coalesced into the next full report (s).",
+    )
+    control_report_echo_s: str = Field(
+        default="1,2,3,4,5",
+        description="After a change, send the report again this many seconds after it "
+        "(comma-separated), so one that lands in a quiet window at solar-control is repeated "
+        "after it. Empty: no echoes.",
+    )
+    control_max_commands_in_flight: int = Field(
+        default=64, ge=1, description="Socket commands run at once; more are answered 'busy'."
+    )
+    control_max_command_bytes: int = Field(
+        default=1_048_576,
+        ge=1024,
+        description="Largest socket command payload (bytes); larger ones are answered "
+        "'payload_too_large'.",
+    )
 
     # --- jobs --------------------------------------------------------------------------------
     jobs_dir: Path = Field(default=Path("jobs"), description="Job workspaces root.")
@@ -248,6 +269,12 @@ class Settings(BaseModel):
     def _strip(cls, v: object) -> object:
         return v.strip() if isinstance(v, str) else v
 
+    @field_validator("control_report_echo_s")
+    @classmethod
+    def _check_echo(cls, v: str) -> str:
+        _echo_delays(v)
+        return v
+
     @field_validator("api_key")
     @classmethod
     def _refuse_placeholder(cls, v: str) -> str:
@@ -274,6 +301,10 @@ class Settings(BaseModel):
         return [self.models_dir, *extra]
 
     @property
+    def control_echo_delays(self) -> list[float]:
+        return _echo_delays(self.control_report_echo_s)
+
+    @property
     def api_key_file(self) -> Path:
         """Where a generated key is kept: beside config.json."""
         return self.config_file.parent / "api_key"
@@ -282,6 +313,22 @@ class Settings(BaseModel):
     def reservations_file(self) -> Path:
         """The reservation ledger's file: beside config.json."""
         return self.config_file.parent / "reservations.json"
+
+
+def _echo_delays(text: str) -> list[float]:
+    """"1,2,4" -> [1.0, 2.0, 4.0]; each a positive number of seconds, at most 60."""
+    delays = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"not a number of seconds: {part.strip()!r}") from None
+        if not 0 < value <= 60:
+            raise ValueError(f"each delay must be above 0 and at most 60 s, not {value}")
+        delays.append(value)
+    return sorted(delays)
 
 
 class SettingsError(Exception):

@@ -7,6 +7,8 @@ Payloads are validated with pydantic models written from control-contract tables
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import time
 from datetime import UTC, datetime
@@ -35,6 +37,7 @@ from solar_host.settings import Settings
 from tests.fixtures.control_server import ControlServer, free_port
 
 KEY = "test-host-key-0123456789"
+ROOT = Path(__file__).resolve().parents[1]
 
 # --- the contract, as pydantic models ---------------------------------------------------------
 
@@ -133,6 +136,7 @@ class FakeInstances:
     def __init__(self, bus: Any, start_delay: float = 0.0):
         self.bus = bus
         self.start_delay = start_delay
+        self.create_delay = 0.0
         self.items: dict[str, Instance] = {}
         self.calls: list[tuple[str, Any]] = []
         self._n = 0
@@ -142,6 +146,9 @@ class FakeInstances:
 
     def supported_backends(self) -> list[str]:
         return ["llamacpp"]
+
+    def get(self, instance_id: str) -> Instance:
+        return self._get(instance_id)
 
     def _get(self, instance_id: str) -> Instance:
         if instance_id not in self.items:
@@ -157,11 +164,16 @@ class FakeInstances:
         self.bus.publish(InstancesChanged(inst.id, inst.status.value, reason))
         return inst
 
-    async def create(self, config: dict, priority=None, managed_by=None, intent_id=None):
+    async def create(
+        self, config: dict, priority=None, managed_by=None, intent_id=None, instance_id=None
+    ):
         self.calls.append(("create", config))
+        if instance_id in self.items:
+            raise InstanceConflict(f"Instance {instance_id} already exists")
         self._n += 1
+        await asyncio.sleep(self.create_delay)
         inst = Instance(
-            id=f"inst-{self._n}",
+            id=instance_id or f"inst-{self._n}",
             config=config,
             created_at=datetime.now(UTC),
             priority=priority or "production",
@@ -201,6 +213,11 @@ class FakeInstances:
     async def restart(self, instance_id: str):
         await self.stop(instance_id)
         return await self.start(instance_id)
+
+    def crash(self, instance_id: str) -> Instance:
+        """The backend died: the supervisor's own transition, no command behind it."""
+        inst = self._get(instance_id)
+        return self._set(self._copy(inst, status="failed", port=None), "crashed")
 
 
 SNAPSHOT = {
@@ -485,16 +502,22 @@ async def test_instances_update_follows_each_change_promptly(tmp_path, known_ser
 
 
 async def test_reservation_change_pushes_health_early(tmp_path, known_server, link_factory):
-    host = make_host(tmp_path, known_server.url, health_report_interval_s=30.0)
+    host = make_host(
+        tmp_path, known_server.url, health_report_interval_s=30.0, control_report_echo_s="1.5"
+    )
     await link_factory(host)
     await known_server.wait_event("host_health")
     t0 = time.monotonic()
     for _ in range(5):  # a burst is debounced into one push
         host.bus.publish(ReservationsChanged("created"))
     await known_server.wait_event("host_health", count=2, within_s=2)
-    assert time.monotonic() - t0 < 1.0
-    await asyncio.sleep(0.4)
-    assert len(known_server.events("host_health")) == 2
+    pushed = time.monotonic() - t0
+    assert pushed < 1.0
+    # Then one echo, 1.5 s after the change, and nothing more.
+    await known_server.wait_event("host_health", count=3, within_s=4)
+    assert time.monotonic() - t0 >= 1.5
+    await asyncio.sleep(0.3)
+    assert len(known_server.events("host_health")) == 3
 
 
 async def test_log_flood_is_batched_capped_and_never_blocks(tmp_path, known_server, link_factory):
@@ -656,6 +679,10 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
         "ok": False,
         "status": 409,
         "detail": "Cannot delete a running instance; stop it first",
+        "error": {
+            "code": "conflict",
+            "message": "Cannot delete a running instance; stop it first",
+        },
     }
     assert (await call("stop_instance", {"instance_id": iid}))["instance"]["status"] == "stopped"
     assert (await call("restart_instance", {"instance_id": iid}))["ok"]
@@ -663,12 +690,18 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
     assert (await call("delete_instance", {"instance_id": iid}))["ok"]
 
     missing = await call("start_instance", {"instance_id": "nope"})
-    assert missing == {"ok": False, "status": 404, "detail": "Instance not found"}
+    assert missing == {
+        "ok": False,
+        "status": 404,
+        "detail": "Instance not found",
+        "error": {"code": "not_found", "message": "Instance not found"},
+    }
     no_id = await call("stop_instance", {})
     assert no_id["ok"] is False and no_id["status"] == 400 and "instance_id" in no_id["detail"]
     bad = await call("create_instance", {"priority": "urgent"})
-    assert bad["status"] == 422
+    assert bad["status"] == 422 and bad["error"]["code"] == "invalid_body"
     assert {tuple(e["loc"]) for e in bad["detail"]} == {("config",), ("priority",)}
+    assert "config" in bad["error"]["message"] and "priority" in bad["error"]["message"]
 
     broken = await call(
         "create_instance",
@@ -678,6 +711,7 @@ async def test_commands_answer_through_acks(tmp_path, known_server, link_factory
     assert failed["ok"] is False and failed["status"] == 500
     assert failed["exit_code"] == 1 and failed["log_tail"] == ["boom"]
     assert "Process exited" in failed["detail"]
+    assert failed["error"]["code"] == "start_failed"
 
 
 async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
@@ -781,3 +815,380 @@ async def test_tls_verification_is_off_only_when_insecure(
     await wait_for(lambda: link.registered)
     assert made[0]["ssl_verify"] is (not insecure)
     assert made[0]["reconnection"] is False
+
+
+# --- crash recovery through a control quiet window ---------------------------------------------
+
+
+@pytest.mark.parametrize("echo", ["1,2,3,4,5", ""])
+async def test_crash_inside_the_settle_window_is_seen_within_a_second_after_it(
+    tmp_path, known_server, link_factory, echo
+):
+    """Control's reconciler ignores an intent for 3 s after creating its replica; a crash the
+    host reports inside that window must reach it again within 1 s after the window."""
+    window = 3.0
+    known_server.settle_window_s = window
+    host = make_host(tmp_path, known_server.url, control_report_echo_s=echo)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    created = await known_server.call(
+        "create_instance",
+        {
+            "config": {"backend_type": "llamacpp", "alias": "r:1b", "model": "/r.gguf"},
+            "managed_by": "intent",
+            "intent_id": "intent-1",
+        },
+    )
+    assert "intent-1" in known_server.intent_created  # the create opened the window
+    iid = created["instance"]["id"]
+    assert (await known_server.call("start_instance", {"instance_id": iid}))["ok"]
+    # As if the replica had been created half a second before the crash, whatever the load.
+    opened = known_server.intent_created["intent-1"] = time.monotonic() - 0.5
+    host.instances.crash(iid)  # well inside the window
+    await known_server.wait_until(
+        lambda: any(e.get("status") == "failed" for e in known_server.cache), within_s=2
+    )
+    assert time.monotonic() - opened < window  # the report itself landed in the window
+
+    def failed_seen() -> list[Any]:
+        return [o for o in known_server.observed if o.status == "failed" and o.instance_id == iid]
+
+    if echo:
+        (first, *_) = await known_server.wait_until(failed_seen, within_s=window + 3)
+        assert window <= first.at - opened <= window + 1.0, first.at - opened
+        assert link.metrics()["echoes"] >= 1
+    else:
+        # Without echoes nothing wakes the reconciler until the next health tick (30 s here):
+        # the fixture's window really swallows the report.
+        await asyncio.sleep(window + 1.5 - (time.monotonic() - opened))
+        assert not failed_seen() and known_server.skipped_wakes >= 1
+
+
+# --- bounded, coalesced reporting --------------------------------------------------------------
+
+
+async def test_a_burst_of_2000_changes_sends_a_few_dozen_full_lists(
+    tmp_path, known_server, link_factory
+):
+    host = make_host(tmp_path, known_server.url, health_report_interval_s=30.0)
+    link = await link_factory(host)
+    await known_server.wait_event("host_health")
+    lists0 = len(known_server.events("instances_update"))
+    health0 = len(known_server.events("host_health"))
+    t0 = time.monotonic()
+    config = {"backend_type": "llamacpp", "alias": "b:1b", "model": "/b.gguf"}
+    for i in range(2000):
+        await host.instances.create(dict(config))
+        if i % 20 == 19:
+            await asyncio.sleep(0.02)  # spread over about two seconds
+    burst_s = time.monotonic() - t0
+    # Wait for the newest list and then for the echoes to end (the last at +5 s).
+    await known_server.wait_until(
+        lambda: len(known_server.events("instances_update")[-1]["data"]["instances"]) == 2000,
+        within_s=10,
+    )
+    await wait_for(lambda: not link.instances_reporter.pending, within_s=15)
+    await asyncio.sleep(0.3)
+    lists = known_server.events("instances_update")[lists0:]
+    healths = known_server.events("host_health")[health0:]
+    elapsed = time.monotonic() - t0
+    # At most ~10 per second while changes come, then the five echoes.
+    assert 2 <= len(lists) <= 10 * burst_s + 5 + 3, (len(lists), burst_s)
+    assert len(lists) < 60
+    assert len(healths) <= 10 * elapsed + 3, (len(healths), elapsed)
+    # Each one is a full list (control replaces its cache with it), and they only grow.
+    sizes = [len(b["data"]["instances"]) for b in lists]
+    assert sizes == sorted(sizes) and sizes[-1] == 2000
+    InstancesUpdate.model_validate(lists[-1])
+    gaps = [
+        b.at - a.at
+        for a, b in zip(
+            [r for r in known_server.received if r.event == "instances_update"][lists0:],
+            [r for r in known_server.received if r.event == "instances_update"][lists0 + 1 :],
+            strict=False,
+        )
+    ]
+    # 0.1 s apart when sent; delivery jitter can pull two arrivals closer, not most of them.
+    assert sorted(gaps)[len(gaps) // 2] >= 0.09, sorted(gaps)
+
+
+# --- commands: one answer each -----------------------------------------------------------------
+
+
+async def test_commands_beyond_the_bound_are_answered_busy(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url, control_max_commands_in_flight=4)
+    host.instances.start_delay = 1.0
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    created = await known_server.call(
+        "create_instance",
+        {"config": {"backend_type": "llamacpp", "alias": "s:1b", "model": "/s.gguf"}},
+    )
+    iid = created["instance"]["id"]
+    answers = await known_server.flood([("start_instance", {"instance_id": iid})] * 20)
+    assert None not in answers  # every command answered
+    ok = [a for a in answers if a["ok"]]
+    busy = [a for a in answers if not a["ok"]]
+    assert len(ok) == 4 and len(busy) == 16
+    assert {a["error"]["code"] for a in busy} == {"busy"} and {a["status"] for a in busy} == {503}
+    assert link.metrics()["commands_refused"]["busy"] == 16
+    assert link.commands.in_flight == 0
+    # Free again once they finished.
+    assert (await known_server.call("stop_instance", {"instance_id": iid}))["ok"]
+
+
+async def test_oversized_and_malformed_commands_each_get_one_structured_answer(
+    tmp_path, known_server, link_factory
+):
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    call = known_server.call
+    huge = {
+        "config": {
+            "backend_type": "llamacpp",
+            "alias": "big",
+            "model": "/b.gguf",
+            "x": "a" * (3 * 1024 * 1024),
+        }
+    }
+    t0 = time.monotonic()
+    big = await call("create_instance", huge)
+    assert time.monotonic() - t0 < 5
+    assert big["ok"] is False and big["status"] == 413
+    assert big["error"]["code"] == "payload_too_large" and "1048576" in big["error"]["message"]
+    assert host.instances.items == {}  # nothing created
+    assert link.registered  # the link survived it
+    for payload in (None, "start", ["instance_id"], 42):
+        answer = await call("start_instance", payload)
+        assert answer["ok"] is False and answer["status"] == 400, payload
+        assert answer["error"]["code"] == "invalid_request"
+    wrong = await call("stop_instance", {"instance_id": 7})
+    assert wrong["status"] == 400 and "instance_id" in wrong["error"]["message"]
+    nope = await call("delete_instance", {"instance_id": "missing"})
+    assert nope["error"] == {"code": "not_found", "message": "Instance not found"}
+    gone = await call("update_instance", {"instance_id": "missing", "managed_by": None})
+    assert gone["status"] == 404 and gone["error"]["code"] == "not_found"
+    # The link still works normally.
+    ok = await call(
+        "create_instance",
+        {"config": {"backend_type": "llamacpp", "alias": "k", "model": "/k.gguf"}},
+    )
+    assert ok["ok"] is True
+
+
+async def test_a_create_carrying_an_id_is_idempotent(tmp_path, known_server, link_factory):
+    host = make_host(tmp_path, known_server.url)
+    host.instances.create_delay = 0.3
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    body = {
+        "instance_id": "replica-7",
+        "config": {"backend_type": "llamacpp", "alias": "i:1b", "model": "/i.gguf"},
+        "managed_by": "intent",
+        "intent_id": "intent-7",
+    }
+    # The sender retries while the first create still runs, and once more afterwards.
+    first, retry = await known_server.flood([("create_instance", body)] * 2)
+    again = await known_server.call("create_instance", body)
+    assert first["ok"] and retry["ok"] and again["ok"]
+    assert {a["instance"]["id"] for a in (first, retry, again)} == {"replica-7"}
+    assert "existing" not in first and retry["existing"] and again["existing"]
+    assert list(host.instances.items) == ["replica-7"]
+    assert [c for c in host.instances.calls if c[0] == "create"] == [("create", body["config"])]
+    for bad_id in ("", "../x", "a" * 200, 12, "has space"):
+        answer = await known_server.call("create_instance", {**body, "instance_id": bad_id})
+        assert answer["status"] == 422 and answer["detail"][0]["loc"] == ["instance_id"], bad_id
+    assert list(host.instances.items) == ["replica-7"]
+
+
+# --- hostile and malformed events ----------------------------------------------------------------
+
+
+async def test_an_ack_after_rejected_keeps_the_link_reconnecting(
+    tmp_path, known_server, link_factory
+):
+    known_server.connect_script = [
+        ("rejected", {"reason": "changed my mind"}),
+        ("registration_ack", {"host_id": "host-1", "host_name": "h", "timestamp": "t"}),
+    ]
+    host = make_host(tmp_path, known_server.url)
+    link = await link_factory(host)
+    await wait_for(lambda: link.registered)
+    assert not link.rejected and link.host_id == "host-1"
+    known_server.connect_script = None
+    await known_server.drop()
+    await known_server.wait_until(lambda: len(known_server.connects) == 2, within_s=5)
+    await wait_for(lambda: link.registered)
+    # And a rejection as the last word does stop it, for this key.
+    known_server.connect_script = [("rejected", {"reason": 17})]
+    await known_server.drop()
+    await known_server.wait_until(lambda: len(known_server.connects) == 3, within_s=5)
+    await wait_for(lambda: link.rejected)
+    assert link.rejected_reason is None and link.metrics()["ignored_fields"] >= 1
+    await known_server.drop()
+    await asyncio.sleep(1.0)  # 3x the backoff cap
+    assert len(known_server.connects) == 3
+
+
+async def test_wrong_typed_fields_are_ignored_and_nothing_wedges(tmp_path, server, link_factory):
+    host = make_host(tmp_path, server.url, health_report_interval_s=0.3)
+    link = await link_factory(host)
+    await server.wait_until(lambda: server.pending_ids())
+    sid = server.only_sid()
+    await wait_for(lambda: link.pending_id is not None)
+    for event, data in [
+        ("pending", {"pending_id": {"x": 1}}),
+        ("registration_ack", {"host_id": 123, "host_name": ["x"]}),
+        ("registration_ack", {"host_id": True}),
+        ("registration_ack", "not a dict"),
+        ("rejected", [1, 2]),
+        ("registration_ack", {"host_id": "h" * 10_000}),
+        ("no_such_event", {"a": 1}),
+        ("start_instance", "x" * 100),
+    ]:
+        await server.emit(event, data, sid=sid)
+    await wait_for(lambda: link.metrics()["ignored_fields"] >= 7)
+    # Wrong types (and a 10 kB id) never stored.
+    assert link.pending_id is None and link.host_id is None
+    # The last word was an ack (after the rejected): still connected, registered, not rejected.
+    assert link.registered and not link.rejected
+    n = len(server.events("host_health"))
+    await server.wait_event("host_health", count=n + 2, within_s=3)
+    await server.emit("registration_ack", {"host_id": "host-9", "host_name": "h9"}, sid=sid)
+    await wait_for(lambda: link.host_id == "host-9")
+
+
+async def test_a_control_repeating_malformed_events_cannot_flood_the_log(
+    tmp_path, server, link_factory, caplog
+):
+    host = make_host(tmp_path, server.url)
+    link = await link_factory(host)
+    await server.wait_until(lambda: server.pending_ids())
+    sid = server.only_sid()
+    caplog.clear()
+    for _ in range(500):
+        await server.emit("pending", {"pending_id": 5}, sid=sid)
+        await server.emit("pending", {"pending_id": "same"}, sid=sid)
+    await wait_for(lambda: link.metrics()["ignored_fields"] >= 500, within_s=10)
+    control_lines = [r for r in caplog.records if r.name == "solar_host.control.client"]
+    assert len(control_lines) <= 60, len(control_lines)
+    assert link.connected
+
+
+# --- a control that stops reading ----------------------------------------------------------------
+
+
+async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_path, link_factory):
+    """Control's process frozen (SIGSTOP): its socket stops reading, the host's TCP buffers fill,
+    and from then on reports wait (coalesced) and the outbox keeps its cap, instead of piling
+    full lists into the socket's send queue."""
+    import os
+    import signal
+    import sys
+
+    from solar_host.control.client import MAX_QUEUED_PACKETS
+
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.fixtures.control_server",
+        "--port",
+        str(port),
+        "--known",
+        f"{KEY}=host-1",
+        stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert b"listening" in line
+        host = make_host(
+            tmp_path, f"http://127.0.0.1:{port}", outbox_max_entries=1000, ws_reconnect_delay=0.2
+        )
+        link = await link_factory(host)
+        await wait_for(lambda: link.registered, within_s=20)
+        config = {"backend_type": "llamacpp", "alias": "q:1b", "model": "/q.gguf"}
+        for _ in range(1000):  # lists of ~400 kB each
+            await host.instances.create(dict(config))
+        os.kill(proc.pid, signal.SIGSTOP)
+        queue = link._session.sio.eio.queue  # type: ignore[union-attr]
+        now = datetime.now(UTC).isoformat()
+        peak = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 6:  # 6 s of changes and log lines, 10 lists/s wanted
+            inst = next(iter(host.instances.items.values()))
+            await host.instances.start(inst.id)
+            await host.instances.stop(inst.id)
+            for i in range(200):
+                host.bus.publish(LogLine(inst.id, i, now, "x" * 200))
+            peak = max(peak, queue.qsize())
+            await asyncio.sleep(0.05)
+        metrics = link.metrics()
+        assert metrics["reports_deferred"] >= 5, metrics
+        assert peak <= MAX_QUEUED_PACKETS + 8, peak
+        assert len(link.outbox) <= 1000 and metrics["dropped"]["log"] > 0
+        os.kill(proc.pid, signal.SIGCONT)
+        # Control reads again: the newest list gets through (on this session or a new one).
+        n = link.sent["instances_update"]
+        await wait_for(lambda: link.sent["instances_update"] > n, within_s=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+# --- the Reporter on its own ----------------------------------------------------------------------
+
+
+async def test_reporter_coalesces_bounds_the_rate_echoes_and_survives_a_failing_send():
+    from solar_host.control.reporter import Reporter
+
+    sends: list[float] = []
+    fail_next = [True]
+
+    async def send() -> bool:
+        if fail_next[0]:
+            fail_next[0] = False
+            raise RuntimeError("boom")  # a bug in one send
+        sends.append(time.monotonic())
+        return True
+
+    reporter = Reporter(send, min_interval_s=0.1, echo_s=(0.5, 1.0), cost_factor=0)
+    task = asyncio.create_task(reporter.run())
+    try:
+        reporter.mark()
+        await wait_for(lambda: not fail_next[0])  # the failing send was attempted
+        t0 = time.monotonic()
+        for _ in range(100):  # 100 marks in ~0.5 s: about five sends, not 100
+            reporter.mark()
+            await asyncio.sleep(0.005)
+        last_change = time.monotonic()
+        await wait_for(lambda: not reporter.pending, within_s=5)
+        during = [t for t in sends if t <= last_change + 0.01]
+        after = [t - last_change for t in sends if t > last_change + 0.01]
+        assert 2 <= len(during) <= (last_change - t0) / 0.1 + 2, len(during)
+        assert all(b - a >= 0.099 for a, b in itertools.pairwise(sends))
+        # The last change itself (coalesced), then the two echoes counted from it.
+        assert len(after) in (2, 3), after
+        assert 0.45 <= after[-2] <= 0.95 and 0.95 <= after[-1] <= 1.6, after
+        assert reporter.echoes == 2 and reporter.coalesced >= 50
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.mark.parametrize("bad", ["1,x", "0", "-1", "61"])
+def test_a_bad_echo_schedule_is_refused_naming_the_setting(bad):
+    from solar_host.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="CONTROL_REPORT_ECHO_S"):
+        load_settings(None, environ={"API_KEY": KEY, "CONTROL_REPORT_ECHO_S": bad})
+    assert Settings(api_key=KEY, control_report_echo_s=" 2, 0.5 ,").control_echo_delays == [
+        0.5,
+        2.0,
+    ]

@@ -5,14 +5,23 @@ off): connect to `/hosts` with `{api_key, host_name}`, register, and on every di
 refused connect retry with a short capped backoff, trying each configured URL in turn
 (fail-over between control replicas). Telemetry goes out three ways:
 
-* `instances_update` at once after every instance change (at most one send in flight, always
-  the newest full list: control replaces its cache with each list it gets);
-* `host_health` every HEALTH_REPORT_INTERVAL_S, and early (debounced) after a reservation or
-  instance change so placement sees it (contract 8.10);
+* `instances_update` at once after an instance change, and `host_health` every
+  HEALTH_REPORT_INTERVAL_S and early (debounced) after a reservation or instance change
+  (contract 8.10). Both are full snapshots kept current by a `Reporter`: coalesced (one send in
+  flight, the newest state built when it goes), at most one per CONTROL_REPORT_MIN_INTERVAL_S,
+  and echoed after a change (CONTROL_REPORT_ECHO_S) so a report control ignored in a quiet
+  window is repeated after it;
 * logs, runtime states, step logs, pull progress and job events through the bounded outbox,
   flushed every OUTBOX_FLUSH_INTERVAL_S.
 
+Backpressure: while the socket's send queue is backed up (control, or the network, not reading)
+reports wait, coalesced, and the outbox keeps dropping by its caps, so memory stays bounded.
 Bus handlers only touch memory, so a host with control unreachable never waits for it.
+
+Events from control are checked field by field: a value of the wrong type is ignored with a
+warning, never stored. The link stops reconnecting only when control's last word about
+registration was `rejected` for the key in use; a later `registration_ack` or `pending` undoes
+a rejection.
 """
 
 from __future__ import annotations
@@ -30,14 +39,28 @@ from urllib.parse import urlsplit
 import socketio
 
 from solar_host import events as ev
-from solar_host.control.commands import COMMANDS, run_command
+from solar_host.control.commands import COMMANDS, CommandRunner
 from solar_host.control.outbox import Outbox
 from solar_host.control.payloads import PayloadBuilder
+from solar_host.control.reporter import Reporter
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "/hosts"
 HEALTH_DEBOUNCE_S = 0.2
+# Packets waiting in the Engine.IO send queue above which reports wait and the outbox holds.
+MAX_QUEUED_PACKETS = 32
+# Largest WebSocket message accepted from control: a bigger one closes the link (aiohttp), so
+# commands up to this size are read and answered (payload_too_large above the command limit).
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Longest id or name accepted from control's events (uuids and names are far shorter).
+MAX_FIELD_CHARS = 256
+
+
+def _worth_logging(count: int) -> bool:
+    """The first 20 of a kind of warning, then every 1,000th: a hostile peer repeating a
+    malformed event must not flood the host's log."""
+    return count <= 20 or count % 1000 == 0
 
 
 class ControlLinkUnavailable(RuntimeError):
@@ -77,9 +100,11 @@ class _Session:
 
     sio: socketio.AsyncClient
     url: str
+    api_key: str = ""
     ns_connected: bool = False
     ack_seq: int = 0
     synced_seq: int = 0
+    pending_logged: set[str | None] = field(default_factory=set)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -109,19 +134,35 @@ class ControlLink:
         self.pending_id: str | None = None
         self.rejected = False
         self.rejected_reason: str | None = None
+        self._rejected_key: str | None = None
+        self.ignored_fields = 0  # wrong-typed fields in control's events
+        self.commands = CommandRunner(
+            lambda: self.host.services.get("instances"),
+            max_in_flight=self.settings.control_max_commands_in_flight,
+            max_bytes=self.settings.control_max_command_bytes,
+        )
+        min_interval = self.settings.control_report_min_interval_s
+        echoes = self.settings.control_echo_delays
+        self.instances_reporter = Reporter(
+            self._report_instances, min_interval_s=min_interval, echo_s=echoes
+        )
+        self.sync_reporter = Reporter(self._sync, min_interval_s=min_interval)
+        self.health_reporter = Reporter(
+            self._report_health,
+            min_interval_s=min_interval,
+            echo_s=echoes,
+            debounce_s=HEALTH_DEBOUNCE_S,
+            period_s=self.settings.health_report_interval_s,
+        )
 
         self._running = False
         self._session: _Session | None = None
         self._url_index = 0
         self._run_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[Any]] = set()
         self._unsubscribe: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
-        self._health_soon = asyncio.Event()
         self._emit_lock = asyncio.Lock()
-        self._instances_dirty = False
-        self._instances_task: asyncio.Task[None] | None = None
 
     # --- state --------------------------------------------------------------------------------
 
@@ -155,6 +196,14 @@ class ControlLink:
             "sent": dict(self.sent),
             "dropped": dict(self.outbox.dropped),
             "outbox_size": len(self.outbox),
+            "echoes": self.instances_reporter.echoes + self.health_reporter.echoes,
+            "reports_deferred": self.instances_reporter.deferred + self.health_reporter.deferred,
+            "commands_in_flight": self.commands.in_flight,
+            "commands_refused": {
+                "busy": self.commands.refused_busy,
+                "payload_too_large": self.commands.refused_size,
+            },
+            "ignored_fields": self.ignored_fields,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -176,7 +225,9 @@ class ControlLink:
         self._run_task = asyncio.create_task(self._run(), name="control-link")
         self._tasks = [
             asyncio.create_task(self._flush_loop(), name="control-outbox"),
-            asyncio.create_task(self._health_loop(), name="control-health"),
+            asyncio.create_task(self.instances_reporter.run(), name="control-instances"),
+            asyncio.create_task(self.health_reporter.run(), name="control-health"),
+            asyncio.create_task(self.sync_reporter.run(), name="control-sync"),
         ]
 
     async def stop(self) -> None:
@@ -189,8 +240,7 @@ class ControlLink:
         if self._session is not None:
             self._session.closed.set()
         self._wake.set()
-        tasks = [t for t in (self._run_task, self._instances_task, *self._tasks) if t]
-        tasks += list(self._background)
+        tasks = [t for t in (self._run_task, *self._tasks) if t]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -211,8 +261,7 @@ class ControlLink:
             raise ControlLinkUnavailable("Failed to trigger reconnection")
         if self.connected:
             return "already_connected"
-        self.rejected = False
-        self.rejected_reason = None
+        self._clear_rejection()
         if self._run_task is None or self._run_task.done():
             self._run_task = asyncio.create_task(self._run(), name="control-link")
         else:
@@ -226,7 +275,7 @@ class ControlLink:
         cap = max(self.settings.ws_reconnect_max_delay, base)
         delay = base
         failed_in_round = 0
-        while self._running and not self.rejected:
+        while self._running and not self._rejected_for_good():
             url = self.urls[self._url_index]
             session = await self._connect(url)
             if session is None:
@@ -247,16 +296,25 @@ class ControlLink:
                 break
             await self._wait_closed(session)
             await self._end_session(session)
-            if not self._running or self.rejected:
+            if not self._running or self._rejected_for_good():
                 break
             self.reconnects += 1
             if await self._backoff(delay):
                 delay = base
-        if self.rejected:
+        if self._rejected_for_good():
             log.warning(
                 "solar-control rejected this host (%s); not reconnecting until POST /reconnect",
                 self.rejected_reason or "no reason given",
             )
+
+    def _rejected_for_good(self) -> bool:
+        """Control's last word was a rejection of the key this host would connect with."""
+        return self.rejected and self._rejected_key == self.host.api_key
+
+    def _clear_rejection(self) -> None:
+        self.rejected = False
+        self.rejected_reason = None
+        self._rejected_key = None
 
     async def _backoff(self, delay: float) -> bool:
         """Sleep about `delay` (jittered down, so the cap holds). True when woken early."""
@@ -271,11 +329,12 @@ class ControlLink:
             handle_sigint=False,
             ssl_verify=not self.settings.insecure,
             request_timeout=self.connect_timeout_s,
+            websocket_extra_options={"max_msg_size": MAX_MESSAGE_BYTES},
         )
-        session = _Session(sio=sio, url=url)
+        session = _Session(sio=sio, url=url, api_key=self.host.api_key)
         self._bind_handlers(session)
         self._session = session
-        auth = {"api_key": self.host.api_key, "host_name": self.settings.effective_host_name}
+        auth = {"api_key": session.api_key, "host_name": self.settings.effective_host_name}
         try:
             # python-socketio waits wait_timeout for the namespace CONNECT; control sends none
             # when its connect handler fails, so a timeout is just another failed attempt.
@@ -341,28 +400,38 @@ class ControlLink:
                 self.outbox.set_accepting(False)
 
         async def on_registration_ack(data: Any = None) -> None:
-            data = data if isinstance(data, dict) else {}
-            self.host_id = data.get("host_id") or self.host_id
+            fields = self._fields("registration_ack", data, host_id=str, host_name=str)
+            known = self.host_id
+            if fields.get("host_id"):
+                self.host_id = fields["host_id"]
             self.pending_id = None
+            self._clear_rejection()  # control's newest word: approved
             session.ack_seq += 1
-            log.info(
-                "registered with solar-control as %s (%s)", data.get("host_name"), self.host_id
-            )
+            if session.ack_seq == 1 or self.host_id != known:  # not once per repeated ack
+                log.info(
+                    "registered with solar-control as %s (%s)",
+                    fields.get("host_name"),
+                    self.host_id,
+                )
             # Often this arrives before the namespace counts as connected (contract 8.2): then
             # the connect handler runs the sync.
             self._maybe_sync(session)
 
         async def on_pending(data: Any = None) -> None:
-            data = data if isinstance(data, dict) else {}
-            self.pending_id = data.get("pending_id")
-            log.warning(
-                "solar-control: waiting for admin approval (pending id %s)", self.pending_id
-            )
+            fields = self._fields("pending", data, pending_id=str)
+            pending_id = fields.get("pending_id") or None
+            # Once per id (a few ids per session): a repeating control cannot flood the log.
+            if pending_id not in session.pending_logged and len(session.pending_logged) < 5:
+                session.pending_logged.add(pending_id)
+                log.warning("solar-control: waiting for admin approval (pending id %s)", pending_id)
+            self.pending_id = pending_id
+            self._clear_rejection()  # control's newest word: waiting, not refused
 
         async def on_rejected(data: Any = None) -> None:
-            data = data if isinstance(data, dict) else {}
+            fields = self._fields("rejected", data, reason=str)
             self.rejected = True
-            self.rejected_reason = data.get("reason")
+            self.rejected_reason = fields.get("reason")
+            self._rejected_key = session.api_key
             log.warning("solar-control rejected this host: %s", self.rejected_reason)
 
         sio.on("connect", on_connect, namespace=NAMESPACE)
@@ -376,10 +445,44 @@ class ControlLink:
     def _command_handler(self, name: str) -> Callable[..., Coroutine[Any, Any, dict[str, Any]]]:
         # python-socketio runs each incoming event as its own task, so a start that takes
         # minutes does not hold up other events; the return value is the ack.
-        async def handler(data: Any = None) -> dict[str, Any]:
-            return await run_command(self.host.services.get("instances"), name, data)
+        async def handler(data: Any = None, *extra: Any) -> dict[str, Any]:
+            return await self.commands.run(name, data)
 
         return handler
+
+    def _fields(self, event: str, data: Any, **types: type) -> dict[str, Any]:
+        """The fields of a control event that have the expected type; others are ignored (and
+        counted) with a warning, so a malformed event can neither break nor poison the link."""
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            self.ignored_fields += 1
+            if _worth_logging(self.ignored_fields):
+                log.warning(
+                    "solar-control sent %s with a %s payload; ignored", event, type(data).__name__
+                )
+            return {}
+        out: dict[str, Any] = {}
+        for name, kind in types.items():
+            if name not in data or data[name] is None:
+                continue
+            value = data[name]
+            too_long = isinstance(value, str) and len(value) > MAX_FIELD_CHARS
+            if isinstance(value, kind) and not isinstance(value, bool) and not too_long:
+                out[name] = value
+            else:
+                self.ignored_fields += 1
+                if not _worth_logging(self.ignored_fields):
+                    continue
+                log.warning(
+                    "solar-control sent %s.%s as %s%s, expected %s; ignored",
+                    event,
+                    name,
+                    type(value).__name__,
+                    f" of {len(value)} characters" if too_long else "",
+                    kind.__name__,
+                )
+        return out
 
     def _maybe_sync(self, session: _Session) -> None:
         """Run the post-approval sync once per ack, once the namespace is connected."""
@@ -389,12 +492,21 @@ class ControlLink:
             return
         session.synced_seq = session.ack_seq
         self.outbox.set_accepting(True)
-        self._spawn(self._sync(session))
+        # Through a Reporter: a control that repeats registration_ack hundreds of times gets
+        # a few coalesced syncs, not hundreds of full lists.
+        self.sync_reporter.mark(echo=False)
 
-    async def _sync(self, session: _Session) -> None:
+    async def _sync(self) -> bool:
+        session = self._session
+        if session is None or not session.acked or not session.ns_connected:
+            return True  # moot: the next ack syncs
+        if self._backed_up(session):
+            return False
         await self._send("registration", session)
         await self._send("instances_update", session)
         await self._send("host_health", session)
+        self.health_reporter.sent_elsewhere()
+        return True
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -428,23 +540,28 @@ class ControlLink:
         self.sent[event] += 1
         return True
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _backed_up(self, session: _Session) -> bool:
+        """The socket's send queue holds more than a few packets: control (or the network) is
+        not keeping up, and piling more on would only grow memory."""
+        queue = getattr(session.sio.eio, "queue", None)
+        return queue is not None and queue.qsize() > MAX_QUEUED_PACKETS
 
-    async def _push_instances(self) -> None:
-        """Send the newest full list until no change is waiting (one send in flight)."""
-        while self._instances_dirty:
-            self._instances_dirty = False
-            session = self._session
-            if session is None or not session.ns_connected:
-                return  # the next (re)connect sends the full list anyway
-            if session.acked:
-                await self._send("instances_update", session)
-            else:
-                # While pending only registration is read: keep the pending record current.
-                await self._send("registration", session)
+    async def _report(self, event: str) -> bool:
+        """A Reporter's send: the newest snapshot now. False only to say "retry later"."""
+        session = self._session
+        if session is None or not session.ns_connected or session.closed.is_set():
+            return True  # moot: the next connect sends everything
+        if self._backed_up(session):
+            return False
+        # While pending only registration is read: keep the pending record current.
+        await self._send(event if session.acked else "registration", session)
+        return True
+
+    async def _report_instances(self) -> bool:
+        return await self._report("instances_update")
+
+    async def _report_health(self) -> bool:
+        return await self._report("host_health")
 
     async def _flush_loop(self) -> None:
         interval = self.settings.outbox_flush_interval_s
@@ -453,34 +570,25 @@ class ControlLink:
             if not len(self.outbox) or not self.registered:
                 continue
             session = self._session
+            if session is None or self._backed_up(session):
+                continue  # the outbox stays bounded by its caps meanwhile
             for event, payload in self.outbox.drain():
                 await self._emit(event, payload, session)
-
-    async def _health_loop(self) -> None:
-        interval = self.settings.health_report_interval_s
-        while self._running:
-            if await wait_event(self._health_soon, interval):
-                await asyncio.sleep(HEALTH_DEBOUNCE_S)  # let a burst of changes settle
-            self._health_soon.clear()
-            session = self._session
-            if session is None or not session.ns_connected:
-                continue
-            await self._send("host_health" if session.acked else "registration", session)
 
     # --- bus handlers (memory only: they run inside the publisher) ----------------------------
 
     def _on_instances_changed(self, event: ev.Event) -> None:
         if self._session is None:
-            return
-        self._instances_dirty = True
-        if self._instances_task is None or self._instances_task.done():
-            self._instances_task = asyncio.get_running_loop().create_task(self._push_instances())
+            return  # the next connect sends the full list anyway
+        # Every change is echoed, crash or not: the host cannot tell which of its
+        # reports control chose to ignore, only that it acts on the ones after.
+        self.instances_reporter.mark(echo=True)
         if self.registered:
-            self._health_soon.set()
+            self.health_reporter.mark(echo=False)
 
     def _on_reservations_changed(self, event: ev.Event) -> None:
         if self.registered:
-            self._health_soon.set()
+            self.health_reporter.mark(echo=True)
 
     def _on_log_line(self, event: ev.Event) -> None:
         assert isinstance(event, ev.LogLine)

@@ -431,7 +431,11 @@ class InstanceManager:
         priority: str | None = None,
         managed_by: str | None = None,
         intent_id: str | None = None,
+        instance_id: str | None = None,
     ) -> Instance:
+        # A caller-chosen id (socket creates, so a retried create stays one instance).
+        if instance_id is not None and instance_id in self.supervisors:
+            raise InstanceConflict(f"Instance {instance_id} already exists")
         parsed = self._parse(config)
         try:
             prio = Priority(priority) if priority is not None else Priority.PRODUCTION
@@ -447,7 +451,7 @@ class InstanceManager:
                 ]
             ) from None
         inst = Instance(
-            id=str(uuid.uuid4()),
+            id=instance_id or str(uuid.uuid4()),
             config=parsed,
             status=S.STOPPED,
             created_at=datetime.now(UTC),
