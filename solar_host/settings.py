@@ -120,7 +120,14 @@ class Settings(BaseModel):
         default=20, ge=0, description="Lines in log_tail of a failed start."
     )
     llama_server_bin: str = Field(
-        default="llama-server", description="llama-server executable (a path or a name on PATH)."
+        default="llama-server",
+        description="llama-server executable (a path or a name on PATH). Unset and not on "
+        "PATH: the llama.cpp server of the xllamacpp distribution (solar-host[llamacpp]).",
+    )
+    strict_config: bool = Field(
+        default=False,
+        description="Refuse (422) instance configs with a field no backend knows, instead of "
+        "answering with a warning.",
     )
 
     # --- model store ---------------------------------------------------------------------

@@ -89,6 +89,7 @@ class InstanceManager:
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
+        self.log_backends()
         result = await asyncio.to_thread(self.store.load)
         if result.roles:
             self.roles = result.roles
@@ -221,6 +222,16 @@ class InstanceManager:
     def supported_backends(self) -> list[str]:
         return self.backends.supported(self.facts())
 
+    def backend_availability(self) -> dict[str, dict[str, Any]]:
+        """Per backend type: available, the executable or module it uses, why not."""
+        return {bt: a.as_dict() for bt, a in self.backends.availability(self.facts()).items()}
+
+    def log_backends(self) -> None:
+        from solar_host.backends.availability import log_lines
+
+        for line in log_lines(self.backends.availability(self.facts())):
+            (log.info if ": available" in line else log.warning)("%s", line)
+
     # --- change notification and persistence -----------------------------------------------------
 
     def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
@@ -325,9 +336,15 @@ class InstanceManager:
 
     # --- writes ----------------------------------------------------------------------------------
 
-    def _parse(self, raw: Any, *, loc_prefix: tuple[str, ...] = ("body", "config")) -> Any:
+    def _parse(
+        self,
+        raw: Any,
+        *,
+        loc_prefix: tuple[str, ...] = ("body", "config"),
+        warnings: list[str] | None = None,
+    ) -> Any:
         try:
-            return parse_config(
+            config = parse_config(
                 raw,
                 models_dir=self.settings.models_dir,
                 strict=True,
@@ -337,6 +354,33 @@ class InstanceManager:
             raise InvalidInstanceConfig(
                 [{**e, "loc": [*loc_prefix, *e["loc"]]} for e in err.errors]
             ) from None
+        self._check_config(raw, config, loc_prefix, warnings)
+        return config
+
+    def _check_config(
+        self, raw: Any, config: Any, loc: tuple[str, ...], warnings: list[str] | None
+    ) -> None:
+        """Unknown fields (warned, or 422 under STRICT_CONFIG) and fields the backend this host
+        runs cannot honour (422): never silently dropped."""
+        from solar_host.instances.config_fields import unknown_fields
+
+        errors: list[dict[str, Any]] = []
+        for key, msg in unknown_fields(raw):
+            if self.settings.strict_config:
+                errors.append({"loc": [*loc, key], "msg": msg, "type": "extra_forbidden"})
+            else:
+                log.warning("config of %s: %s", config.alias, msg)
+                if warnings is not None:
+                    warnings.append(msg)
+        try:
+            backend = self.backends.for_type(config.backend_type)
+        except KeyError:
+            backend = None
+        refuse = getattr(backend, "create_refusals", None)
+        for r in refuse(config, self.facts()) if refuse is not None else ():
+            errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
+        if errors:
+            raise InvalidInstanceConfig(errors)
 
     def _derived(self, config: Any) -> dict[str, Any]:
         backend = self.backends.for_type(config.backend_type)
@@ -352,8 +396,10 @@ class InstanceManager:
         priority: str | None = None,
         managed_by: str | None = None,
         intent_id: str | None = None,
+        warnings: list[str] | None = None,
     ) -> Instance:
-        parsed = self._parse(config)
+        """Create an instance; config warnings (unknown fields) are appended to `warnings`."""
+        parsed = self._parse(config, warnings=warnings)
         try:
             prio = Priority(priority) if priority is not None else Priority.PRODUCTION
         except ValueError:
@@ -390,7 +436,9 @@ class InstanceManager:
             raise
         return inst
 
-    async def update(self, instance_id: str, fields: dict[str, Any]) -> Instance:
+    async def update(
+        self, instance_id: str, fields: dict[str, Any], warnings: list[str] | None = None
+    ) -> Instance:
         sup = self._sup(instance_id)
         async with sup.lock:
             inst = sup.instance
@@ -399,7 +447,7 @@ class InstanceManager:
                 raise InstanceConflict("Cannot update a running instance. Stop it first.")
             new_config = None
             if "config" in fields and fields["config"] is not None:
-                new_config = self._parse(fields["config"])
+                new_config = self._parse(fields["config"], warnings=warnings)
             changes: dict[str, Any] = {}
             if new_config is not None:
                 changes["config"] = new_config

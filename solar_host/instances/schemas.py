@@ -45,6 +45,27 @@ BACKEND_TYPES = (
     "huggingface_vision",
     "sglang",
 )
+
+
+def config_models() -> dict[str, type[BaseModel]]:
+    """The config class of every backend_type."""
+    import typing
+
+    classes = (
+        LlamaCppConfig,
+        HuggingFaceCausalConfig,
+        HuggingFaceClassificationConfig,
+        HuggingFaceEmbeddingConfig,
+        HuggingFaceVisionConfig,
+        SglangConfig,
+    )
+    out: dict[str, type[BaseModel]] = {}
+    for cls in classes:
+        for bt in typing.get_args(cls.model_fields["backend_type"].annotation):
+            out[bt] = cls
+    return out
+
+
 # The config field that holds the model path, per backend family.
 MODEL_FIELD = {
     "llamacpp": "model",
@@ -102,6 +123,9 @@ class InstanceUpdate(BaseModel):
 class InstanceResponse(BaseModel):
     instance: Instance
     message: str
+    warnings: list[str] | None = Field(
+        default=None, description="Config fields no backend knows (kept, but check them)."
+    )
 
 
 class ConfigError(ValueError):
