@@ -78,9 +78,7 @@ def test_xllamacpp_is_the_fallback(bare_path: None) -> None:
         assert found.argv[1].endswith("llamacpp_xserver.py") and "xllamacpp" in found.uses
 
 
-def test_nothing_installed_names_the_fix(
-    bare_path: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_nothing_installed_names_the_fix(bare_path: None, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "xllamacpp" else real(n, *a)

@@ -109,3 +109,33 @@ def resolve_config_files(config: Any, base_dir: Path | None, strict: bool, model
             continue
         setattr(config, write, str(path))
     return config
+
+
+def _is_projector(p: Path) -> bool:
+    """llama.cpp's multimodal projectors (mmproj-*.gguf) sit beside the model; never the model."""
+    return "mmproj" in p.name.lower()
+
+
+def gguf_of_dir(model_dir: Path) -> Path:
+    """The one model GGUF of a directory (split shards count as one, the first shard is it).
+
+    Raises PatternError(field="model") when there is none or several, listing them and
+    pointing at model_file.
+    """
+    found = sorted(
+        (p for p in model_dir.rglob("*.gguf") if p.is_file() and not _is_projector(p)),
+        key=lambda p: str(p),
+    )
+    models = [p for p in found if not _is_trailing_shard(p)]
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise PatternError(
+            "model", f"{model_dir} is a directory with no .gguf model file in it"
+        )
+    names = ", ".join(str(p.relative_to(model_dir)) for p in models)
+    raise PatternError(
+        "model",
+        f"{model_dir} holds several GGUF models ({names}): set model_file to the one to serve "
+        '(a file name, relative path or glob such as "*Q4_K_M*.gguf")',
+    )

@@ -22,6 +22,8 @@ from solar_host.instances.states import InstanceStatus
 from solar_host.model_store.sources import (
     SourceError,
     is_remote_source,
+    pull_hint,
+    pulled_path,
     resolve_local_uri,
     resolve_model_path,
 )
@@ -215,11 +217,13 @@ def parse_config(
             setattr(config, field, resolved)
         elif source:
             if is_remote_source(source):
-                raise SourceError(
-                    "Model must be resolved via POST /models/pull before instance creation. "
-                    "Use local:// or provide model/model_id/model_path."
-                )
-            if source.startswith("local://"):
+                # By name: the model a previous pull put in the store (its manifest knows the
+                # source_uri); never pulled, the error says which pull to run.
+                found = pulled_path(source, manifest_lookup)
+                if found is None:
+                    raise SourceError(pull_hint(source))
+                setattr(config, field, str(found))
+            elif source.startswith("local://"):
                 setattr(config, field, str(resolve_local_uri(source, models_dir)))
             else:
                 setattr(config, field, resolve_model_path(source, models_dir))
@@ -233,8 +237,12 @@ def parse_config(
         base_dir = _llamacpp_base_dir(config, manifest_lookup)
         try:
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
+            if config.model and Path(config.model).is_dir():
+                # A directory holding exactly one GGUF model means that file.
+                config.model = str(files.gguf_of_dir(Path(config.model)))
         except files.PatternError as err:
-            raise _error((err.field,), str(err)) from None
+            if strict:
+                raise _error((err.field,), str(err)) from None
     return config
 
 
