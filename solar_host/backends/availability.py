@@ -32,7 +32,8 @@ def _sglang(facts: HostFacts) -> Availability:
         return Availability(
             False,
             " ".join(argv) if argv else None,
-            f"SGLang needs an NVIDIA CUDA GPU; this host has {facts.gpu_type}",
+            "SGLang backend requires an NVIDIA CUDA host "
+            f"(this host reports gpu_type={facts.gpu_type!r})",
         )
     if argv is None:
         where = (

@@ -451,6 +451,26 @@ class LlamaCppBackend:
     def is_available(self, facts: HostFacts) -> bool:
         return llamacpp_exec.resolve(facts.llama_server_bin).available
 
+    def preflight(self, config: BackendConfigBase) -> list[str]:
+        """What makes every attempt fail: model files missing, unreadable or not GGUF."""
+        from solar_host.instances import preflight as pf
+
+        c = _as_config(config)
+        found = []
+        if not c.model:
+            found.append("model: no model file (set model, model_file or a pulled model_source)")
+        for name in ("model", "mmproj", "spec_draft_model"):
+            value = getattr(c, name)
+            if value and (c.model_type == "llm" or name != "spec_draft_model"):
+                problem = pf.gguf_file(name, value)
+                if problem:
+                    found.append(problem)
+        if c.chat_template_file:
+            problem = pf.readable_file("chat_template_file", c.chat_template_file)
+            if problem:
+                found.append(problem)
+        return found
+
 
 # The config field behind each flag of the command line (for refusals that name the field).
 FLAG_FIELDS = {

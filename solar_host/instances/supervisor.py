@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
+from solar_host.instances import preflight
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
@@ -210,6 +211,7 @@ class Supervisor:
             capabilities=backend.capabilities(config, settings.models_dir),
         )
         try:
+            preflight.check(backend, config, self.m.facts())  # not retried, nothing spawned
             hook = getattr(backend, "before_start", None)
             if hook is not None:
                 for w in hook(config, ctx) or ():
