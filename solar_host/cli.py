@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only files matching this glob (repeatable)",
     )
     sub.add_parser("models", parents=[opts], help="list pulled models")
+    from solar_host import doctor
+
+    doctor.register(sub)  # subcommands that bring their own handler (args.handler)
     return p
 
 
@@ -517,6 +520,8 @@ def run_client(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "handler", None) is not None:
+        return int(args.handler(args))
     if args.command in (None, "serve"):
         return serve(args)
     return run_client(args)
