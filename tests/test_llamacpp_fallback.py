@@ -112,7 +112,7 @@ def _full_config(model: str, **over: object) -> LlamaCppConfig:
             "yarn_orig_ctx": 4096,
             "special": True,
             "ot": "exps=CPU",
-            "mmproj": "/m.gguf",
+            "mmproj": "/mm.gguf",
             "mmproj_offload": False,
             **over,
         }
@@ -253,3 +253,42 @@ def test_xllamacpp_backend_is_readopted_after_host_kill(tmp_path: Path, tiny_ggu
                 time.sleep(0.05)
             assert inst["status"] == "running" and inst["pid"] == pid
             assert c.post(f"/instances/{iid}/stop").status_code == 200
+
+
+@needs_xllamacpp
+def test_every_honoured_flag_reaches_xllamacpp_params(tmp_path: Path) -> None:
+    """The flags the server says it honours really set xllamacpp's parameters."""
+    import xllamacpp as xlc
+
+    from solar_host.backends.llamacpp_xserver import build_params
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    c = _full_config("/m.gguf", devices=None, chat_template_file=str(template), tensor_split="3,1")
+    values, switches = parse_args(command_args(c, 4321))
+    p = build_params(xlc, values, switches)
+    assert p.model.path == "/m.gguf" and p.port == 4321 and p.model_alias == {"a"}
+    assert p.split_mode == xlc.llama_split_mode.LLAMA_SPLIT_MODE_LAYER
+    assert list(p.tensor_split)[:3] == [3.0, 1.0, 0.0]
+    assert p.chat_template == "{{ messages }}"
+    assert p.default_template_kwargs == {"enable_thinking": "false"}
+    assert p.cache_type_k == xlc.ggml_type.GGML_TYPE_Q8_0
+    assert p.cache_type_v == xlc.ggml_type.GGML_TYPE_Q8_0
+    assert p.rope_scaling_type == xlc.llama_rope_scaling_type.LLAMA_ROPE_SCALING_TYPE_YARN
+    assert p.rope_freq_scale == pytest.approx(0.5) and p.yarn_orig_ctx == 4096
+    assert p.special is True and p.tensor_buft_overrides == "exps=CPU"
+    assert p.mmproj.path == "/mm.gguf"
+    assert p.mmproj_use_gpu is False
+    assert p.enable_reasoning == 0 and p.sampling.reasoning_budget_tokens == 0
+    assert p.warmup is False and p.endpoint_metrics is True and p.use_jinja is True
+    emb = _full_config(
+        "/m.gguf",
+        devices=None,
+        chat_template_file=str(template),
+        model_type="embedding",
+        pooling="mean",
+    )
+    values, switches = parse_args(command_args(emb, 1))
+    p = build_params(xlc, values, switches)
+    assert p.embedding is True
+    assert p.pooling_type == xlc.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,38 @@ def gguf_of_dir(model_dir: Path) -> Path:
         f"{model_dir} holds several GGUF models ({names}): set model_file to the one to serve "
         '(a file name, relative path or glob such as "*Q4_K_M*.gguf")',
     )
+
+
+# --- preflight checks of one file (instances/preflight.py runs them before a spawn) -------------
+
+GGUF_MAGIC = b"GGUF"
+
+
+def readable_file(field: str, path: str | os.PathLike[str]) -> str | None:
+    """Why `path` (the value of config field `field`) is not a readable file, or None."""
+    p = Path(path)
+    if not p.exists():
+        return f"{field}: {p} does not exist"
+    if p.is_dir():
+        return f"{field}: {p} is a directory, not a file"
+    if not os.access(p, os.R_OK):
+        return f"{field}: {p} is not readable by the host user (uid {os.getuid()})"
+    return None
+
+
+def gguf_file(field: str, path: str | os.PathLike[str]) -> str | None:
+    """Why `path` is not a GGUF file llama.cpp can open (missing, unreadable, wrong magic)."""
+    problem = readable_file(field, path)
+    if problem:
+        return problem
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        return f"{field}: cannot read {path}: {err.strerror or err}"
+    if magic != GGUF_MAGIC:
+        return (
+            f"{field}: {path} is not a GGUF file (starts with {magic!r}, not b'GGUF'); "
+            "point it at the .gguf model file"
+        )
+    return None

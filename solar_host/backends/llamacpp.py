@@ -453,7 +453,7 @@ class LlamaCppBackend:
 
     def preflight(self, config: BackendConfigBase) -> list[str]:
         """What makes every attempt fail: model files missing, unreadable or not GGUF."""
-        from solar_host.instances import preflight as pf
+        from solar_host.backends import files as pf
 
         c = _as_config(config)
         found = []

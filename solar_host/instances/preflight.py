@@ -13,42 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.backends.base import HostFacts, LaunchError
+from solar_host.backends.files import gguf_file, readable_file
 
-GGUF_MAGIC = b"GGUF"
+__all__ = ["PreflightFailed", "check", "gguf_file", "model_path", "problems", "readable_file"]
 
 
 class PreflightFailed(LaunchError):
     """A start that cannot succeed; the message names the field and the file."""
-
-
-def readable_file(field: str, path: str | os.PathLike[str]) -> str | None:
-    """Why `path` (the value of config field `field`) is not a readable file, or None."""
-    p = Path(path)
-    if not p.exists():
-        return f"{field}: {p} does not exist"
-    if p.is_dir():
-        return f"{field}: {p} is a directory, not a file"
-    if not os.access(p, os.R_OK):
-        return f"{field}: {p} is not readable by the host user (uid {os.getuid()})"
-    return None
-
-
-def gguf_file(field: str, path: str | os.PathLike[str]) -> str | None:
-    """Why `path` is not a GGUF file llama.cpp can open (missing, unreadable, wrong magic)."""
-    problem = readable_file(field, path)
-    if problem:
-        return problem
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as err:
-        return f"{field}: cannot read {path}: {err.strerror or err}"
-    if magic != GGUF_MAGIC:
-        return (
-            f"{field}: {path} is not a GGUF file (starts with {magic!r}, not b'GGUF'); "
-            "point it at the .gguf model file"
-        )
-    return None
 
 
 def model_path(field: str, path: str | os.PathLike[str]) -> str | None:
