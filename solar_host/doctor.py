@@ -56,14 +56,18 @@ def check_backends(settings: Settings, probe: Any) -> tuple[Check, dict[str, Any
     return check, {bt: a.as_dict() for bt, a in table.items()}
 
 
+def _key(settings: Settings) -> tuple[str, str]:
+    """(the host key, where it comes from) as the host would resolve it, without creating one."""
+    if settings.api_key:
+        return settings.api_key, "API_KEY"
+    try:
+        return settings.api_key_file.read_text(encoding="utf-8").strip(), str(settings.api_key_file)
+    except OSError:
+        return "", ""
+
+
 def check_api_key(settings: Settings) -> Check:
-    key, where = settings.api_key, "API_KEY"
-    if not key:
-        try:
-            key = settings.api_key_file.read_text(encoding="utf-8").strip()
-            where = str(settings.api_key_file)
-        except OSError:
-            key = ""
+    key, where = _key(settings)
     if not key:
         return Check(
             "api key",
@@ -83,6 +87,44 @@ def check_api_key(settings: Settings) -> Check:
             "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
         )
     return Check("api key", True, f"set ({where}, {len(key)} characters)")
+
+
+def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
+    """PORT is free for the host, or a solar-host already serves there and accepts the key."""
+    import socket
+
+    import httpx
+
+    addr = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    try:
+        with socket.create_connection((addr, settings.port), timeout=timeout):
+            pass
+    except OSError:
+        return Check("port", True, f"{settings.port} is free for the REST API")
+    url = f"http://{addr}:{settings.port}"
+    try:
+        root = httpx.get(url + "/", timeout=timeout).json()
+    except (httpx.HTTPError, ValueError):
+        root = None
+    if not isinstance(root, dict) or root.get("service") != "solar-host":
+        return Check(
+            "port",
+            False,
+            f"{settings.port} is taken by another program",
+            "stop it, or set PORT to a free port",
+        )
+    try:
+        status = httpx.get(url + "/instances", headers={"X-API-Key": key}, timeout=timeout)
+    except httpx.HTTPError as err:
+        return Check("port", False, f"the solar-host on {settings.port} does not answer: {err}")
+    if status.status_code == 401:
+        return Check(
+            "port",
+            False,
+            f"a solar-host serves on {settings.port} but refuses this API key",
+            "use the key it was started with (API_KEY, or the key file beside its CONFIG_FILE)",
+        )
+    return Check("port", True, f"a solar-host {root.get('version')} serves on {settings.port}")
 
 
 def _writable(path: Path) -> tuple[bool, str]:
@@ -222,6 +264,7 @@ def diagnose(
     checks = [
         backends_check,
         check_api_key(settings),
+        check_port(settings, _key(settings)[0]),
         *check_directories(settings),
         check_disk(settings, probe),
         check_gpu(probe),

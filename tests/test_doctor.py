@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from solar_host import doctor
 from tests.fixtures.control_server import ControlServer
 from tests.fixtures.docker import DockerDaemon, docker_daemon  # noqa: F401 (fixture)
-from tests.fixtures.host import free_port, host_settings
+from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.probes import FakeProbe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,12 +29,14 @@ async def test_all_checks_pass_exit_0(
 ) -> None:
     monkeypatch.setenv("DOCKER_HOST", docker_daemon.host)
     async with ControlServer() as control:
-        s = host_settings(tmp_path, solar_control_url=control.url, min_free_disk_gb=1)
+        s = host_settings(
+            tmp_path, solar_control_url=control.url, min_free_disk_gb=1, port=free_port()
+        )
         out = io.StringIO()
         rc = await asyncio.to_thread(doctor.run, s, out=out, probe=FakeProbe(gpus=[(24, 1)]))
     text = out.getvalue()
     assert rc == 0, text
-    assert "10/10 checks passed" in text and "FAIL" not in text
+    assert "11/11 checks passed" in text and "FAIL" not in text
     assert "llamacpp" in text and "sglang" in text  # the table lists every backend type
     assert "Fake NVIDIA GPU" in text
 
@@ -110,3 +113,24 @@ def test_bad_settings_exit_2(tmp_path: Path) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "PORT" in r.stderr
+
+
+async def test_port_check_knows_a_running_host_and_its_key(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path / "h")) as h:
+        port = int(h.url.rsplit(":", 1)[1])
+        ok = await asyncio.to_thread(doctor.check_port, host_settings(tmp_path, port=port), API_KEY)
+        assert ok.ok and "serves on" in ok.detail, ok
+        bad = await asyncio.to_thread(
+            doctor.check_port, host_settings(tmp_path, port=port), "another-key-0123456789"
+        )
+        assert not bad.ok and "refuses this API key" in bad.detail and bad.fix
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen(1)
+    try:
+        taken = doctor.check_port(host_settings(tmp_path, port=other.getsockname()[1]), API_KEY)
+        assert not taken.ok and "another program" in taken.detail and "PORT" in taken.fix
+    finally:
+        other.close()
+    free = doctor.check_port(host_settings(tmp_path, port=free_port()), API_KEY)
+    assert free.ok and "is free" in free.detail

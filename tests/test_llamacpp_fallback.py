@@ -87,6 +87,23 @@ def test_nothing_installed_names_the_fix(bare_path: None, monkeypatch: pytest.Mo
     assert not found.available
     for part in ("LLAMA_SERVER_BIN", "solar-host[llamacpp]", "PATH"):
         assert part in found.reason
+    assert "llama-server-vulkan" not in found.reason
+
+
+def test_a_packaged_build_under_another_name_is_pointed_at(
+    tmp_path: Path, bare_path: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exe = tmp_path / "llama-server-vulkan"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{BARE_PATH}")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "xllamacpp" else real(n, *a)
+    )
+    found = llamacpp_exec.resolve("llama-server")
+    assert not found.available  # never guessed
+    assert f"LLAMA_SERVER_BIN={exe} uses it" in found.reason
 
 
 # --- every flag honoured or refused ------------------------------------------------------------
