@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
     rp.add_argument("--dry-run", action="store_true", help="only show what would be replaced")
+    from solar_host import doctor
+
+    doctor.register(sub)  # subcommands that bring their own handler (args.handler)
     return p
 
 
@@ -566,6 +569,8 @@ def run_client(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "handler", None) is not None:
+        return int(args.handler(args))
     if args.command in (None, "serve"):
         return serve(args)
     if args.command == "handover":

@@ -138,6 +138,8 @@ class Host:
                 file=sys.stderr,
                 flush=True,
             )
+        for warning in self.settings.load_warnings:
+            log.warning("%s", warning)
         if self.settings.solar_control_api_key:
             log.warning(
                 "SOLAR_CONTROL_API_KEY is ignored: the control link authenticates with API_KEY"

@@ -40,7 +40,9 @@ PREFIX = "solar_host"
 START_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 900)
 INSTANCE_STATES = tuple(s.value for s in InstanceStatus)
 JOB_STATES = ("pending", "running", "completed", "failed", "cancelled")
+# The resource snapshot's GiB fields, exposed in base units (Prometheus: bytes) by their stem.
 RESOURCE_FIELDS = ("total_gb", "system_used_gb", "reserved_headroom_gb", "available_gb")
+GIB = 1024**3
 INSTANCE_COUNTERS = {
     "starts": "Successful starts (including crash restarts).",
     "start_failures": "Starts that failed after all attempts.",
@@ -397,9 +399,9 @@ class HostMetrics:
         snap = resources.snapshot()
         gauges = {
             f: Family(
-                f"{PREFIX}_resource_{f}",
+                f"{PREFIX}_resource_{f[:-3]}_bytes",
                 "gauge",
-                f"Per dimension (vram, ram, disk): {f[:-3].replace('_', ' ')}, GiB.",
+                f"Per dimension (vram, ram, disk): {f[:-3].replace('_', ' ')}, bytes.",
                 ("dimension",),
             )
             for f in RESOURCE_FIELDS
@@ -410,7 +412,7 @@ class HostMetrics:
                 continue
             for f in RESOURCE_FIELDS:
                 if values.get(f) is not None:
-                    gauges[f].add((dim,), values[f])
+                    gauges[f].add((dim,), round(values[f] * GIB))
         yield from gauges.values()
         count = Family(f"{PREFIX}_reservations", "gauge", "Reservations by status.", ("status",))
         by_status: dict[str, int] = {}
@@ -424,13 +426,13 @@ class HostMetrics:
             count.add((st,), n)
         yield count
         held = Family(
-            f"{PREFIX}_reserved_gb",
+            f"{PREFIX}_reserved_bytes",
             "gauge",
-            "Capacity held by reservations, per dimension, GiB.",
+            "Capacity held by reservations, per dimension, bytes.",
             ("dimension",),
         )
-        for dim, gb in reserved.items():
-            held.add((dim,), gb)
+        for dim, gib in reserved.items():
+            held.add((dim,), round(gib * GIB))
         yield held
 
     def _job_families(self, host: Host) -> Iterator[Family]:

@@ -19,7 +19,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from solar_host.envfile import read_env_file
 
@@ -142,7 +150,14 @@ class Settings(BaseModel):
         "by its exact name.",
     )
     llama_server_bin: str = Field(
-        default="llama-server", description="llama-server executable (a path or a name on PATH)."
+        default="llama-server",
+        description="llama-server executable (a path or a name on PATH). Unset and not on "
+        "PATH: the llama.cpp server of the xllamacpp distribution (solar-host[llamacpp]).",
+    )
+    strict_config: bool = Field(
+        default=False,
+        description="Refuse (422) instance configs with a field no backend knows, instead of "
+        "answering with a warning.",
     )
 
     # --- model store ---------------------------------------------------------------------
@@ -264,6 +279,26 @@ class Settings(BaseModel):
         default="", description="Root of per-instance SGLang file prompt caches (dedicated)."
     )
 
+    # What load_settings found odd in .env and the environment (logged when the host starts).
+    _load_warnings: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _choices_any_case(cls, data: object) -> object:
+        """Settings with a fixed set of choices accept any case (LOG_LEVEL=INFO)."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name in _choice_fields():
+            value = out.get(name)
+            if isinstance(value, str):
+                out[name] = value.strip().lower()
+        return out
+
+    @property
+    def load_warnings(self) -> list[str]:
+        return list(self._load_warnings)
+
     @field_validator("api_key", "host_name", "solar_control_url", "harbor_url", mode="before")
     @classmethod
     def _strip(cls, v: object) -> object:
@@ -331,6 +366,51 @@ def _echo_delays(text: str) -> list[float]:
     return sorted(delays)
 
 
+def _choice_fields() -> list[str]:
+    """Fields whose type is a Literal of lower-case strings (matched case-insensitively)."""
+    import typing
+
+    out = []
+    for name, field in Settings.model_fields.items():
+        ann = field.annotation
+        if typing.get_origin(ann) is Literal and all(
+            isinstance(a, str) and a == a.lower() for a in typing.get_args(ann)
+        ):
+            out.append(name)
+    return out
+
+
+# Environment variables every machine has: never "did you mean" material.
+_COMMON_ENV = frozenset(
+    {"PATH", "HOME", "USER", "SHELL", "TERM", "PWD", "LANG", "LOGNAME", "HOSTNAME", "OLDPWD"}
+)
+
+
+def settings_warnings(file_values: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
+    """Unknown names in the env file (with the nearest setting), and environment variables one
+    or two edits away from a setting's name (a typo the host would silently ignore)."""
+    from solar_host.spelling import nearest
+
+    names = [n.upper() for n in Settings.model_fields]
+    known = set(names)
+    out = []
+    for key in file_values:
+        if key.upper() in known:
+            continue
+        guess = nearest(key.upper(), names)
+        hint = f": did you mean {guess}?" if guess else " (ignored)"
+        out.append(f"unknown setting {key} in the env file{hint}")
+    for key in environ:
+        up = key.upper()
+        if up in known or up in _COMMON_ENV or key in file_values:
+            continue
+        # Short names are one edit from many words: allow two edits only from 8 characters on.
+        guess = nearest(up, names, max_edits=2 if len(up) >= 8 else 1)
+        if guess:
+            out.append(f"environment variable {key} is not a setting: did you mean {guess}?")
+    return out
+
+
 class SettingsError(Exception):
     """Start-up configuration is invalid; the message is one line naming the variable."""
 
@@ -370,11 +450,14 @@ def load_settings(
     Raises SettingsError (one line naming the variable) on a bad value.
     """
     merged: dict[str, object] = {}
-    if env_file is not None:
-        merged.update(setting_values(read_env_file(env_file)))
-    merged.update(setting_values(os.environ if environ is None else environ))
+    file_values = read_env_file(env_file) if env_file is not None else {}
+    merged.update(setting_values(file_values))
+    env = os.environ if environ is None else environ
+    merged.update(setting_values(env))
     merged.update(overrides)
     try:
-        return Settings(**merged)
+        settings = Settings(**merged)
     except ValidationError as err:
         raise SettingsError(describe_validation_error(err)) from None
+    settings._load_warnings = settings_warnings(file_values, env)
+    return settings

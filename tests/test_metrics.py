@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from tests.fixtures.control_server import ControlServer
 from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.probes import FakeProbe
 from tests.fixtures.script_backend import ScriptBackend, script_config
+
+GIB = 1024**3
 
 
 def parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -88,8 +93,8 @@ async def test_auth_by_setting_and_two_hosts_in_one_process(tmp_path: Path) -> N
             )
             == 1
         )
-        assert value(sa, "solar_host_resource_total_gb", dimension="vram") == 24
-        assert value(sa, "solar_host_resource_available_gb", dimension="vram") == 16
+        assert value(sa, "solar_host_resource_total_bytes", dimension="vram") == 24 * GIB
+        assert value(sa, "solar_host_resource_available_bytes", dimension="vram") == 16 * GIB
         for status in ("stopped", "starting", "running", "stopping", "failed"):
             assert value(sa, "solar_host_instances", status=status) == 0
         assert value(sa, "solar_host_jobs", status="running") == 0
@@ -220,8 +225,8 @@ async def test_values_move_after_start_crash_and_pull(tmp_path: Path) -> None:
         assert r.status_code == 201, r.text
         s = await scrape(h.client)
         assert value(s, "solar_host_reservations", status=r.json()["status"]) == 1
-        assert value(s, "solar_host_reserved_gb", dimension="ram") == 4.0
-        assert value(s, "solar_host_resource_available_gb", dimension="ram") == 52.0
+        assert value(s, "solar_host_reserved_bytes", dimension="ram") == 4 * GIB
+        assert value(s, "solar_host_resource_available_bytes", dimension="ram") == 52 * GIB
 
         # deleting the instance drops its series
         await h.client.post(f"/instances/{iid}/stop")
@@ -297,3 +302,79 @@ def test_writer_escapes_label_values_and_numbers() -> None:
     assert value(s, "x_info", alias="plain", path="p") == 0.25
     assert value(s, "x_events_total") == 3
     assert value(s, "x_limit") == float("inf")
+
+
+# Unit suffixes Prometheus' naming guide rules out (base units only: bytes, seconds, ratio).
+_NON_BASE_UNITS = re.compile(r"_(gb|gib|mb|mib|kb|kib|ms|milliseconds|minutes|hours|percent)(_|$)")
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def naming_problems(text: str) -> list[str]:
+    """Prometheus naming rules, checked on a parsed exposition."""
+    problems = []
+    for fam in text_string_to_metric_families(text):
+        name = fam.name
+        if not _NAME.match(name):
+            problems.append(f"{name}: not a valid metric name")
+        if not name.startswith("solar_host_"):
+            problems.append(f"{name}: no solar_host_ prefix")
+        if _NON_BASE_UNITS.search(name):
+            problems.append(f"{name}: not in base units (use _bytes / _seconds)")
+        if not fam.documentation:
+            problems.append(f"{name}: no HELP")
+        if fam.type == "counter" and not all(
+            s.name.endswith(("_total", "_created")) for s in fam.samples
+        ):
+            problems.append(f"{name}: counter samples must end in _total")
+        if fam.type == "gauge" and name.endswith("_total"):
+            problems.append(f"{name}: a gauge named like a counter")
+    return problems
+
+
+async def test_prometheus_naming_rules_and_bearer(tmp_path: Path) -> None:
+    probe = FakeProbe(gpus=[(24, 8)], gpu_type="nvidia_cuda")
+    backends = BackendRegistry([ScriptBackend()])
+    async with running_host(host_settings(tmp_path), probe=probe, backends=backends) as h:
+        iid = (await h.client.post("/instances", json={"config": cfg(tmp_path)})).json()[
+            "instance"
+        ]["id"]
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        await h.client.post(
+            "/resources/reservations", json={"job_id": "j1", "vram_gb": 1.0, "ram_gb": 0.5}
+        )
+        # Prometheus' scrape config: `authorization: {credentials: <key>}` sends Bearer
+        async with httpx.AsyncClient(base_url=h.url) as bare:
+            r = await bare.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+            assert r.status_code == 200
+            wrong = await bare.get("/metrics", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            # Bearer is for the scrape endpoint only; the REST API keeps X-API-Key
+            other = await bare.get("/instances", headers={"Authorization": f"Bearer {API_KEY}"})
+            assert other.status_code == 401
+        text = r.text
+        assert naming_problems(text) == []
+        s = parse(text)
+        assert value(s, "solar_host_resource_total_bytes", dimension="vram") == 24 * GIB
+        assert value(s, "solar_host_reserved_bytes", dimension="ram") == GIB // 2
+        assert "_gb" not in text.replace("vram_gb", "")
+        promtool = shutil.which("promtool")
+        if promtool:
+            out = await asyncio.to_thread(
+                subprocess.run,
+                [promtool, "check", "metrics"],
+                input=text,
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+def test_naming_check_catches_bad_names() -> None:
+    bad = (
+        "# HELP solar_host_disk_gb Disk.\n# TYPE solar_host_disk_gb gauge\nsolar_host_disk_gb 1\n"
+        "# HELP other_x X.\n# TYPE other_x gauge\nother_x 1\n"
+    )
+    problems = naming_problems(bad)
+    assert any("solar_host_disk_gb: not in base units" in p for p in problems)
+    assert any("other_x: no solar_host_ prefix" in p for p in problems)

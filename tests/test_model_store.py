@@ -247,7 +247,16 @@ async def test_oci_tls_with_ca_bundle_and_basic_auth(tmp_path, tls_reg, monkeypa
     with pytest.raises(PullError) as err:
         await bad.pull(req, events.append)
     assert err.value.status_code == 401 and err.value.error == "auth_failed"
+    assert tls_reg.host in err.value.detail and "HARBOR_PASSWORD" in err.value.detail
     assert_one_terminal(events, "failed")
+
+    # No credentials against a registry that needs a login: a 401 naming what to set.
+    anon = harbor_store(tmp_path / "anon", tls_reg, harbor_username="", harbor_password="")
+    await anon.start()
+    with pytest.raises(PullError) as err:
+        await anon.pull(req)
+    assert err.value.status_code == 401 and tls_reg.host in err.value.detail
+    assert "set HARBOR_USERNAME and HARBOR_PASSWORD" in err.value.detail
 
     # HARBOR_URL given bare (no scheme) means https.
     good = harbor_store(tmp_path / "c", tls_reg, harbor_url=tls_reg.host)
@@ -284,10 +293,17 @@ async def test_oci_errors_unknown_unreachable_mismatch_credentials(tmp_path, reg
         await down.pull(base)
     assert err.value.status_code == 502
 
-    nocreds = harbor_store(tmp_path / "y", reg, harbor_password="")
+    # Credentials are optional (an open registry pulls anonymously: it reaches the 404);
+    # only HARBOR_URL is needed, and its absence says so (503, not a 500).
+    nocreds = harbor_store(tmp_path / "y", reg, harbor_username="", harbor_password="")
     with pytest.raises(PullError) as err:
         await nocreds.pull(base)
-    assert (err.value.status_code, err.value.error) == (500, "credentials_missing")
+    assert (err.value.status_code, err.value.error) == (404, "not_found")
+    nourl = harbor_store(tmp_path / "z", reg, harbor_url="")
+    with pytest.raises(PullError) as err:
+        await nourl.pull(base)
+    assert (err.value.status_code, err.value.error) == (503, "credentials_missing")
+    assert "HARBOR_URL" in err.value.detail
     assert store.list_models() == []
 
 

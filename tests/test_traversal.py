@@ -53,8 +53,7 @@ def registry() -> BackendRegistry:
 
 def settings(tmp_path: Path):
     # A hub that cannot answer: nothing here may reach a network anyway.
-    # (Credentials are set so a harbor pull reaches validation: without them the documented
-    # answer is a 500 credentials_missing, reference-behavior S-018 step 7.)
+    # (HARBOR_URL is set so a harbor pull reaches validation; credentials are optional.)
     return host_settings(
         tmp_path,
         hf_endpoint="http://127.0.0.1:9",

@@ -18,6 +18,8 @@ PUBLIC_PATHS = frozenset(
     {"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
 )
 PUBLIC_PREFIXES = ("/docs/static/",)
+# Routes that also take the key as `Authorization: Bearer <key>` (scrapers send that header).
+BEARER_PATHS = frozenset({"/metrics"})
 
 
 def keys_match(given: str | None, expected: str) -> bool:
@@ -53,10 +55,18 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = None
+        bearer = None
         for name, value in scope.get("headers") or ():
             if name == b"x-api-key":
                 given = value.decode("latin-1")
                 break
+            if name == b"authorization":
+                bearer = value
+        if given is None and bearer is not None and path in BEARER_PATHS:
+            # Prometheus' scrape config sends `Authorization: Bearer <key>`.
+            scheme, _, token = bearer.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer":
+                given = token.strip()
         if given is None and kind == "websocket":
             qs = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
             if qs.get("api_key"):

@@ -22,23 +22,30 @@ def error_response(err: InstanceError) -> JSONResponse:
     return JSONResponse(status_code=err.status, content=err.body())
 
 
-def _answer(request: Request, inst: Instance, message: str) -> JSONResponse:
+def _answer(
+    request: Request, inst: Instance, message: str, warnings: list[str] | None = None
+) -> JSONResponse:
     svc = _svc(request)
-    return JSONResponse({"instance": svc.instance_json(inst), "message": message})
+    body: dict[str, Any] = {"instance": svc.instance_json(inst), "message": message}
+    if warnings:
+        body["warnings"] = warnings
+    return JSONResponse(body)
 
 
 @router.post("", response_model=InstanceResponse)
 async def create_instance(request: Request, body: InstanceCreate) -> Response:
+    warnings: list[str] = []
     try:
         inst = await _svc(request).create(
             body.config,
             priority=body.priority.value if body.priority else None,
             managed_by=body.managed_by,
             intent_id=body.intent_id,
+            warnings=warnings,
         )
     except InstanceError as err:
         return error_response(err)
-    return _answer(request, inst, f"Instance {inst.id} created successfully")
+    return _answer(request, inst, f"Instance {inst.id} created successfully", warnings)
 
 
 @router.get("", response_model=list[Instance])
@@ -67,11 +74,12 @@ async def get_instance(request: Request, instance_id: str) -> Response:
 @router.put("/{instance_id}", response_model=InstanceResponse)
 async def update_instance(request: Request, instance_id: str, body: InstanceUpdate) -> Response:
     fields = {k: getattr(body, k) for k in body.model_fields_set}
+    warnings: list[str] = []
     try:
-        inst = await _svc(request).update(instance_id, fields)
+        inst = await _svc(request).update(instance_id, fields, warnings)
     except InstanceError as err:
         return error_response(err)
-    return _answer(request, inst, f"Instance {instance_id} updated successfully")
+    return _answer(request, inst, f"Instance {instance_id} updated successfully", warnings)
 
 
 @router.delete("/{instance_id}", response_model=InstanceResponse)

@@ -32,6 +32,7 @@ async def root(request: Request) -> dict[str, Any]:
         "description": "Process manager for model inference backends "
         "(llama.cpp, HuggingFace, SGLang)",
         "supported_backends": host.instances.supported_backends(),
+        "backends": host.instances.backend_availability(),
     }
 
 

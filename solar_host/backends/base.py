@@ -187,6 +187,18 @@ class NullParser:
 
 
 @dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether this host can run a backend type, with what, and why not."""
+
+    available: bool
+    uses: str | None = None  # the executable or module it will run
+    reason: str | None = None  # why it is not available (with the fix)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"available": self.available, "uses": self.uses, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
 class HostFacts:
     """What the host knows about itself, for backend advertisement."""
 

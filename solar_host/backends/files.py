@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,68 @@ def resolve_config_files(config: Any, base_dir: Path | None, strict: bool, model
             continue
         setattr(config, write, str(path))
     return config
+
+
+def _is_projector(p: Path) -> bool:
+    """llama.cpp's multimodal projectors (mmproj-*.gguf) sit beside the model; never the model."""
+    return "mmproj" in p.name.lower()
+
+
+def gguf_of_dir(model_dir: Path) -> Path:
+    """The one model GGUF of a directory (split shards count as one, the first shard is it).
+
+    Raises PatternError(field="model") when there is none or several, listing them and
+    pointing at model_file.
+    """
+    found = sorted(
+        (p for p in model_dir.rglob("*.gguf") if p.is_file() and not _is_projector(p)),
+        key=lambda p: str(p),
+    )
+    models = [p for p in found if not _is_trailing_shard(p)]
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise PatternError(
+            "model", f"{model_dir} is a directory with no .gguf model file in it"
+        )
+    names = ", ".join(str(p.relative_to(model_dir)) for p in models)
+    raise PatternError(
+        "model",
+        f"{model_dir} holds several GGUF models ({names}): set model_file to the one to serve "
+        '(a file name, relative path or glob such as "*Q4_K_M*.gguf")',
+    )
+
+
+# --- preflight checks of one file (instances/preflight.py runs them before a spawn) -------------
+
+GGUF_MAGIC = b"GGUF"
+
+
+def readable_file(field: str, path: str | os.PathLike[str]) -> str | None:
+    """Why `path` (the value of config field `field`) is not a readable file, or None."""
+    p = Path(path)
+    if not p.exists():
+        return f"{field}: {p} does not exist"
+    if p.is_dir():
+        return f"{field}: {p} is a directory, not a file"
+    if not os.access(p, os.R_OK):
+        return f"{field}: {p} is not readable by the host user (uid {os.getuid()})"
+    return None
+
+
+def gguf_file(field: str, path: str | os.PathLike[str]) -> str | None:
+    """Why `path` is not a GGUF file llama.cpp can open (missing, unreadable, wrong magic)."""
+    problem = readable_file(field, path)
+    if problem:
+        return problem
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as err:
+        return f"{field}: cannot read {path}: {err.strerror or err}"
+    if magic != GGUF_MAGIC:
+        return (
+            f"{field}: {path} is not a GGUF file (starts with {magic!r}, not b'GGUF'); "
+            "point it at the .gguf model file"
+        )
+    return None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import time
 from collections import deque
@@ -22,8 +21,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
+from solar_host.backends import llamacpp_exec
 from solar_host.backends.base import (
     VISION_CAPABILITIES,
+    Availability,
     BackendConfigBase,
     GenerationMetrics,
     HostFacts,
@@ -389,72 +390,51 @@ class LlamaCppBackend:
             )
         for name in ("model", "mmproj", "spec_draft_model"):
             _require_gguf(name, getattr(c, name))
-        argv = [
-            ctx.llama_server_bin,
-            "--model", c.model,
-            "--alias", c.alias,
-            "--threads", str(c.threads),
-            "--n_gpu_layers", str(c.n_gpu_layers),
-            "--temp", _num(c.temp),
-            "--top_p", _num(c.top_p),
-            "--top_k", str(c.top_k),
-            "--min_p", _num(c.min_p),
-            "--ctx-size", str(c.ctx_size),
-            "--host", c.host,
-            "--port", str(ctx.port),
-            "--no-warmup",
-        ]  # fmt: skip
-        if c.devices:
-            argv += ["--device", c.devices]
-        if c.split_mode:
-            argv += ["--split-mode", c.split_mode]
-        if c.tensor_split:
-            argv += ["--tensor-split", c.tensor_split]
-        if c.main_gpu is not None:
-            argv += ["--main-gpu", str(c.main_gpu)]
-        argv.append("--jinja")
-        if c.chat_template_file:
-            argv += ["--chat-template-file", c.chat_template_file]
-        if c.chat_template_kwargs:
-            argv += ["--chat-template-kwargs", c.chat_template_kwargs]
-        if c.reasoning:
-            argv += ["--reasoning", c.reasoning]
-        if c.reasoning_budget is not None:
-            argv += ["--reasoning-budget", str(c.reasoning_budget)]
-        argv += speculative_args(c)
-        if c.cache_type_k:
-            argv += ["-ctk", c.cache_type_k]
-        if c.cache_type_v:
-            argv += ["-ctv", c.cache_type_v]
-        if c.rope_scaling:
-            argv += ["--rope-scaling", c.rope_scaling]
-        if c.rope_scale is not None:
-            argv += ["--rope-scale", _num(c.rope_scale)]
-        if c.yarn_orig_ctx is not None:
-            argv += ["--yarn-orig-ctx", str(c.yarn_orig_ctx)]
-        if c.special:
-            argv.append("--special")
-        if c.ot:
-            argv += ["-ot", c.ot]
-        if c.mmproj:
-            argv += ["--mmproj", c.mmproj]
-            if not c.mmproj_offload:
-                argv.append("--no-mmproj-offload")
+        # An executable that does not resolve is named as configured: preflight refuses the
+        # start with the reason before anything is spawned.
+        server = llamacpp_exec.resolve(ctx.llama_server_bin)
+        prefix = server.argv or ((ctx.llama_server_bin or llamacpp_exec.DEFAULT_BIN).strip(),)
+        argv = [*prefix, *command_args(c, ctx.port)]
+        refused = refused_flags(argv[len(prefix) :], server)
+        if refused:
+            raise LaunchError("; ".join(refused))
         warnings: list[str] = []
-        if c.model_type == "embedding":
-            argv.append("--embedding")
-            if c.pooling:
-                argv += ["--pooling", c.pooling]
-        elif c.model_type == "reranker":
-            argv.append("--rerank")
         if c.pooling and c.model_type != "embedding":
             warnings.append(f"pooling is ignored for model_type {c.model_type!r}")
-        argv += ["--metrics", "--slots"]
         keys = [k for k in (ctx.host_api_key, c.api_key) if k]
         keys = list(dict.fromkeys(keys))  # the host key first, no duplicates
         env = {API_KEY_ENV: ",".join(keys)} if keys else {}
         env_remove = _ENV_REMOVE if keys else (*_ENV_REMOVE, API_KEY_ENV)
         return LaunchSpec(argv=argv, env=env, env_remove=env_remove, warnings=warnings)
+
+    def create_refusals(self, config: BackendConfigBase, facts: HostFacts) -> list[dict[str, str]]:
+        """Config fields the llama-server this host runs cannot honour: {field, msg} each.
+
+        Checked at create and update so a config is refused (422) instead of starting with a
+        flag silently dropped.
+        """
+        server = llamacpp_exec.resolve(facts.llama_server_bin)
+        if server.supported_flags is None:
+            return []
+        c = _as_config(config)
+        if not c.model:
+            return []
+        out = []
+        for flag in flags_of(command_args(c, 1)):
+            if flag not in server.supported_flags:
+                fld = FLAG_FIELDS.get(flag, flag)
+                out.append(
+                    {
+                        "field": fld,
+                        "msg": f"{fld} needs llama-server flag {flag}, which {server.uses} cannot "
+                        f"honour; install a llama-server binary (LLAMA_SERVER_BIN) or drop {fld}",
+                    }
+                )
+        return out
+
+    def availability(self, facts: HostFacts) -> Availability:
+        server = llamacpp_exec.resolve(facts.llama_server_bin)
+        return Availability(server.available, server.uses or None, server.reason or None)
 
     def is_ready_line(self, line: str) -> bool:
         return is_ready_line(line)
@@ -477,19 +457,145 @@ class LlamaCppBackend:
         return [v for v in (getattr(config, n, None) for n in names) if v]
 
     def is_available(self, facts: HostFacts) -> bool:
-        return resolve_executable(facts.llama_server_bin) is not None
+        return llamacpp_exec.resolve(facts.llama_server_bin).available
 
+    def preflight(self, config: BackendConfigBase) -> list[str]:
+        """What makes every attempt fail: model files missing, unreadable or not GGUF."""
+        from solar_host.backends import files as pf
 
-def resolve_executable(name: str) -> str | None:
-    """`name` on PATH, or an existing executable path; None otherwise."""
-    if not name:
-        return None
-    found = shutil.which(name)
-    if found:
+        c = _as_config(config)
+        found = []
+        if not c.model:
+            found.append("model: no model file (set model, model_file or a pulled model_source)")
+        for name in ("model", "mmproj", "spec_draft_model"):
+            value = getattr(c, name)
+            if value and (c.model_type == "llm" or name != "spec_draft_model"):
+                problem = pf.gguf_file(name, value)
+                if problem:
+                    found.append(problem)
+        if c.chat_template_file:
+            problem = pf.readable_file("chat_template_file", c.chat_template_file)
+            if problem:
+                found.append(problem)
         return found
-    if os.path.isfile(name) and os.access(name, os.X_OK):
-        return name
-    return None
+
+
+# The config field behind each flag of the command line (for refusals that name the field).
+FLAG_FIELDS = {
+    "--device": "devices",
+    "--split-mode": "split_mode",
+    "--tensor-split": "tensor_split",
+    "--main-gpu": "main_gpu",
+    "--chat-template-file": "chat_template_file",
+    "--chat-template-kwargs": "chat_template_kwargs",
+    "--reasoning": "reasoning",
+    "--reasoning-budget": "reasoning_budget",
+    "--spec-type": "spec_type",
+    "--spec-draft-model": "spec_draft_model",
+    "--spec-draft-n-max": "spec_draft_n_max",
+    "--spec-draft-conf-min": "spec_draft_conf_min",
+    "-ctk": "cache_type_k",
+    "-ctv": "cache_type_v",
+    "--rope-scaling": "rope_scaling",
+    "--rope-scale": "rope_scale",
+    "--yarn-orig-ctx": "yarn_orig_ctx",
+    "--special": "special",
+    "-ot": "ot",
+    "--mmproj": "mmproj",
+    "--no-mmproj-offload": "mmproj_offload",
+    "--pooling": "pooling",
+    "--embedding": "model_type",
+    "--rerank": "model_type",
+}
+
+
+# The flags command_args emits without a value; every other one takes exactly one.
+_SWITCHES = frozenset(
+    {"--no-warmup", "--jinja", "--special", "--no-mmproj-offload", "--embedding", "--rerank",
+     "--metrics", "--slots"}
+)  # fmt: skip
+
+
+def flags_of(args: list[str]) -> list[str]:
+    """The flags of a command_args list, values skipped (a value may well start with '-')."""
+    out, i = [], 0
+    while i < len(args):
+        out.append(args[i])
+        i += 1 if args[i] in _SWITCHES else 2
+    return out
+
+
+def refused_flags(args: list[str], server: llamacpp_exec.LlamaServer) -> list[str]:
+    """Messages for the flags of `args` that `server` cannot honour (none for a binary)."""
+    if server.supported_flags is None:
+        return []
+    return [
+        f"{FLAG_FIELDS.get(a, a)}: llama-server flag {a} is not supported by {server.uses}"
+        for a in flags_of(args)
+        if a not in server.supported_flags
+    ]
+
+
+def command_args(c: LlamaCppConfig, port: int) -> list[str]:
+    """llama-server's arguments for config `c` (everything after the executable)."""
+    argv = [
+        "--model", c.model or "",
+        "--alias", c.alias,
+        "--threads", str(c.threads),
+        "--n_gpu_layers", str(c.n_gpu_layers),
+        "--temp", _num(c.temp),
+        "--top_p", _num(c.top_p),
+        "--top_k", str(c.top_k),
+        "--min_p", _num(c.min_p),
+        "--ctx-size", str(c.ctx_size),
+        "--host", c.host,
+        "--port", str(port),
+        "--no-warmup",
+    ]  # fmt: skip
+    if c.devices:
+        argv += ["--device", c.devices]
+    if c.split_mode:
+        argv += ["--split-mode", c.split_mode]
+    if c.tensor_split:
+        argv += ["--tensor-split", c.tensor_split]
+    if c.main_gpu is not None:
+        argv += ["--main-gpu", str(c.main_gpu)]
+    argv.append("--jinja")
+    if c.chat_template_file:
+        argv += ["--chat-template-file", c.chat_template_file]
+    if c.chat_template_kwargs:
+        argv += ["--chat-template-kwargs", c.chat_template_kwargs]
+    if c.reasoning:
+        argv += ["--reasoning", c.reasoning]
+    if c.reasoning_budget is not None:
+        argv += ["--reasoning-budget", str(c.reasoning_budget)]
+    argv += speculative_args(c)
+    if c.cache_type_k:
+        argv += ["-ctk", c.cache_type_k]
+    if c.cache_type_v:
+        argv += ["-ctv", c.cache_type_v]
+    if c.rope_scaling:
+        argv += ["--rope-scaling", c.rope_scaling]
+    if c.rope_scale is not None:
+        argv += ["--rope-scale", _num(c.rope_scale)]
+    if c.yarn_orig_ctx is not None:
+        argv += ["--yarn-orig-ctx", str(c.yarn_orig_ctx)]
+    if c.special:
+        argv.append("--special")
+    if c.ot:
+        argv += ["-ot", c.ot]
+    if c.mmproj:
+        argv += ["--mmproj", c.mmproj]
+        if not c.mmproj_offload:
+            argv.append("--no-mmproj-offload")
+    if c.model_type == "embedding":
+        argv.append("--embedding")
+        if c.pooling:
+            argv += ["--pooling", c.pooling]
+    elif c.model_type == "reranker":
+        argv.append("--rerank")
+    argv += ["--metrics", "--slots"]
+    return argv
 
 
 def speculative_args(c: LlamaCppConfig) -> list[str]:

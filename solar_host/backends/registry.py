@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from solar_host.backends.base import Backend, HostFacts
+from solar_host.backends.base import Availability, Backend, HostFacts
 
 
 class BackendRegistry:
@@ -37,3 +37,9 @@ class BackendRegistry:
     def supported(self, facts: HostFacts) -> list[str]:
         """The backend types this host can actually run, in a stable order."""
         return [bt for bt, b in self._by_type.items() if b.is_available(facts)]
+
+    def availability(self, facts: HostFacts) -> dict[str, Availability]:
+        """For every backend type: available or not, what it runs, why not."""
+        from solar_host.backends.availability import describe
+
+        return {bt: describe(b, facts) for bt, b in self._by_type.items()}

@@ -37,6 +37,12 @@ class InvalidInstanceConfig(InstanceError):
     status = 422
 
 
+class PortsExhausted(InstanceError):
+    """No port left for a backend: the range and how many are taken, so the fix is obvious."""
+
+    status = 503
+
+
 class StartFailed(InstanceError):
     """A start ended without a serving backend: the flat body of control-contract 2.4."""
 

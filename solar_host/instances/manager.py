@@ -112,6 +112,7 @@ class InstanceManager:
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
         self.host_id = await asyncio.to_thread(ownership.load_host_id, self.settings.config_file)
+        self.log_backends()
         if result.roles:
             self.roles = result.roles
         for stored in result.records:
@@ -289,6 +290,16 @@ class InstanceManager:
     def supported_backends(self) -> list[str]:
         return self.backends.supported(self.facts())
 
+    def backend_availability(self) -> dict[str, dict[str, Any]]:
+        """Per backend type: available, the executable or module it uses, why not."""
+        return {bt: a.as_dict() for bt, a in self.backends.availability(self.facts()).items()}
+
+    def log_backends(self) -> None:
+        from solar_host.backends.availability import log_lines
+
+        for line in log_lines(self.backends.availability(self.facts())):
+            (log.info if ": available" in line else log.warning)("%s", line)
+
     # --- change notification and persistence -----------------------------------------------------
 
     def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
@@ -403,9 +414,15 @@ class InstanceManager:
 
     # --- writes ----------------------------------------------------------------------------------
 
-    def _parse(self, raw: Any, *, loc_prefix: tuple[str, ...] = ("body", "config")) -> Any:
+    def _parse(
+        self,
+        raw: Any,
+        *,
+        loc_prefix: tuple[str, ...] = ("body", "config"),
+        warnings: list[str] | None = None,
+    ) -> Any:
         try:
-            return parse_config(
+            config = parse_config(
                 raw,
                 models_dir=self.settings.models_dir,
                 strict=True,
@@ -416,6 +433,33 @@ class InstanceManager:
             raise InvalidInstanceConfig(
                 [{**e, "loc": [*loc_prefix, *e["loc"]]} for e in err.errors]
             ) from None
+        self._check_config(raw, config, loc_prefix, warnings)
+        return config
+
+    def _check_config(
+        self, raw: Any, config: Any, loc: tuple[str, ...], warnings: list[str] | None
+    ) -> None:
+        """Unknown fields (warned, or 422 under STRICT_CONFIG) and fields the backend this host
+        runs cannot honour (422): never silently dropped."""
+        from solar_host.instances.config_fields import unknown_fields
+
+        errors: list[dict[str, Any]] = []
+        for key, msg in unknown_fields(raw):
+            if self.settings.strict_config:
+                errors.append({"loc": [*loc, key], "msg": msg, "type": "extra_forbidden"})
+            else:
+                log.warning("config of %s: %s", config.alias, msg)
+                if warnings is not None:
+                    warnings.append(msg)
+        try:
+            backend = self.backends.for_type(config.backend_type)
+        except KeyError:
+            backend = None
+        refuse = getattr(backend, "create_refusals", None)
+        for r in refuse(config, self.facts()) if refuse is not None else ():
+            errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
+        if errors:
+            raise InvalidInstanceConfig(errors)
 
     def _derived(self, config: Any) -> dict[str, Any]:
         backend = self.backends.for_type(config.backend_type)
@@ -432,11 +476,13 @@ class InstanceManager:
         managed_by: str | None = None,
         intent_id: str | None = None,
         instance_id: str | None = None,
+        warnings: list[str] | None = None,
     ) -> Instance:
+        """Create an instance; config warnings (unknown fields) are appended to `warnings`."""
         # A caller-chosen id (socket creates, so a retried create stays one instance).
         if instance_id is not None and instance_id in self.supervisors:
             raise InstanceConflict(f"Instance {instance_id} already exists")
-        parsed = self._parse(config)
+        parsed = self._parse(config, warnings=warnings)
         try:
             prio = Priority(priority) if priority is not None else Priority.PRODUCTION
         except ValueError:
@@ -473,7 +519,9 @@ class InstanceManager:
             raise
         return inst
 
-    async def update(self, instance_id: str, fields: dict[str, Any]) -> Instance:
+    async def update(
+        self, instance_id: str, fields: dict[str, Any], warnings: list[str] | None = None
+    ) -> Instance:
         sup = self._sup(instance_id)
         async with sup.lock:
             inst = sup.instance
@@ -482,7 +530,7 @@ class InstanceManager:
                 raise InstanceConflict("Cannot update a running instance. Stop it first.")
             new_config = None
             if "config" in fields and fields["config"] is not None:
-                new_config = self._parse(fields["config"])
+                new_config = self._parse(fields["config"], warnings=warnings)
             changes: dict[str, Any] = {}
             if new_config is not None:
                 changes["config"] = new_config

@@ -59,15 +59,26 @@ class PortAllocator:
             return self._allocate(host, avoid)
 
     def _allocate(self, host: str, avoid: set[int] | None) -> int:
+        """The lowest free port of the range; PortsExhausted (503) naming it when none is."""
         taken = self.held() | self._claimed | (avoid or set())
         listening = set(ownership.listeners())
+        bound = 0
         for port in range(self.start_port, self.end_port + 1):
             if port in taken:
                 continue
             if port_is_free(port, self._bind_hosts(host), listening):
                 self._claimed.add(port)
                 return port
-        raise RuntimeError(f"no free port from {self.start_port} to {self.end_port}")
+            bound += 1
+        from solar_host.instances.errors import PortsExhausted
+
+        size = self.end_port - self.start_port + 1
+        ours = size - bound
+        raise PortsExhausted(
+            f"No free port for a backend in {self.start_port}-{self.end_port} ({size} ports): "
+            f"{ours} held by instances of this host, {bound} bound by other processes. "
+            "Stop an instance, free a port, or lower START_PORT."
+        )
 
     def claim(self, port: int, host: str) -> bool:
         """Claim an explicit port; False when another instance or process has it."""

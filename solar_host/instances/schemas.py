@@ -23,6 +23,8 @@ from solar_host.model_store import roots as model_roots
 from solar_host.model_store.sources import (
     SourceError,
     is_remote_source,
+    pull_hint,
+    pulled_path,
     resolve_local_uri,
     resolve_model_path,
 )
@@ -47,6 +49,27 @@ BACKEND_TYPES = (
     "huggingface_vision",
     "sglang",
 )
+
+
+def config_models() -> dict[str, type[BaseModel]]:
+    """The config class of every backend_type."""
+    import typing
+
+    classes = (
+        LlamaCppConfig,
+        HuggingFaceCausalConfig,
+        HuggingFaceClassificationConfig,
+        HuggingFaceEmbeddingConfig,
+        HuggingFaceVisionConfig,
+        SglangConfig,
+    )
+    out: dict[str, type[BaseModel]] = {}
+    for cls in classes:
+        for bt in typing.get_args(cls.model_fields["backend_type"].annotation):
+            out[bt] = cls
+    return out
+
+
 # The config field that holds the model path, per backend family.
 MODEL_FIELD = {
     "llamacpp": "model",
@@ -104,6 +127,9 @@ class InstanceUpdate(BaseModel):
 class InstanceResponse(BaseModel):
     instance: Instance
     message: str
+    warnings: list[str] | None = Field(
+        default=None, description="Config fields no backend knows (kept, but check them)."
+    )
 
 
 class ConfigError(ValueError):
@@ -200,11 +226,13 @@ def parse_config(
             setattr(config, field, resolved)
         elif source:
             if is_remote_source(source):
-                raise SourceError(
-                    "Model must be resolved via POST /models/pull before instance creation. "
-                    "Use local:// or provide model/model_id/model_path."
-                )
-            if source.startswith("local://"):
+                # By name: the model a previous pull put in the store (its manifest knows the
+                # source_uri); never pulled, the error says which pull to run.
+                found = pulled_path(source, manifest_lookup)
+                if found is None:
+                    raise SourceError(pull_hint(source))
+                setattr(config, field, str(found))
+            elif source.startswith("local://"):
                 setattr(config, field, str(resolve_local_uri(source, models_dir)))
             else:
                 setattr(config, field, resolve_model_path(source, models_dir))
@@ -221,8 +249,12 @@ def parse_config(
         base_dir = _llamacpp_base_dir(config, manifest_lookup)
         try:
             config = files.resolve_config_files(config, base_dir, strict, models_dir)
+            if config.model and Path(config.model).is_dir():
+                # A directory holding exactly one GGUF model means that file.
+                config.model = str(files.gguf_of_dir(Path(config.model)))
         except files.PatternError as err:
-            raise _error((err.field,), str(err)) from None
+            if strict:
+                raise _error((err.field,), str(err)) from None
     if check_roots:
         _check_roots(config, roots)
     return config

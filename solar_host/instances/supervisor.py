@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import ownership
+from solar_host.instances import ownership, preflight
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -249,6 +249,7 @@ class Supervisor:
         try:
             # Again at start: a symlink inside a root may have been re-pointed since create.
             check_model_roots(config, settings.model_root_dirs)
+            preflight.check(backend, config, self.m.facts())  # not retried, nothing spawned
             hook = getattr(backend, "before_start", None)
             if hook is not None:
                 for w in hook(config, ctx) or ():

@@ -1,12 +1,13 @@
 """OCI artifacts (Harbor) fetched over the registry API: manifest, then one blob per layer.
 
 The oras package supplies the registry session, reference parsing and the Bearer token flow
-(auth backend "token" with HARBOR_USERNAME/PASSWORD); the requests themselves are made here
-without oras' retry decorator (it sleeps for minutes on a refused login). Blobs are streamed to
-`<partial>/blobs/sha256-<hex>.part` while a second thread hashes the same buffers, so the digest
-is checked without reading a file twice or holding it in memory; a verified blob is fsynced,
-loses its `.part` suffix and is skipped when an interrupted pull runs again, and a partial one is
-resumed with an HTTP Range request. Everything here blocks and runs in worker threads.
+(auth backend "token" with HARBOR_USERNAME/PASSWORD, anonymous when they are unset); the
+requests themselves are made here without oras' retry decorator (it sleeps for minutes on a
+refused login). Blobs are streamed to `<partial>/blobs/sha256-<hex>.part` while a second thread
+hashes the same buffers, so the digest is checked without reading a file twice or holding it in
+memory; a verified blob is fsynced, loses its `.part` suffix and is skipped when an interrupted
+pull runs again, and a partial one is resumed with an HTTP Range request. Everything here
+blocks and runs in worker threads.
 """
 
 from __future__ import annotations
@@ -115,6 +116,14 @@ class Registry:
             self._basic = True
         self.timeout = (10.0, read_timeout_s)
 
+    def _auth_message(self, what: str) -> str:
+        """An auth failure naming the registry and the settings that fix it."""
+        if self._basic:
+            fix = "check HARBOR_USERNAME and HARBOR_PASSWORD (a robot account needs pull access)"
+        else:
+            fix = "set HARBOR_USERNAME and HARBOR_PASSWORD (anonymous pulls were refused)"
+        return f"Registry {self.host} {what}: {fix}"
+
     # --- requests ---------------------------------------------------------------------------
 
     def request(
@@ -134,21 +143,19 @@ class Registry:
                 resp.close()
                 if challenge.lower().startswith("basic"):
                     if not self._basic:
-                        raise PullError(401, "auth_failed", "Registry requires credentials")
+                        raise PullError(401, "auth_failed", self._auth_message("requires a login"))
                     headers["Authorization"] = f"Basic {self.auth._basic_auth}"
                 else:
                     self.auth.token = None
                     headers, changed = self.auth.authenticate_request(resp, headers)
                     if not changed:
-                        raise PullError(401, "auth_failed", "Registry authentication failed")
+                        raise PullError(401, "auth_failed", self._auth_message("refused the login"))
                 resp = self.session.request(
                     method, url, headers=headers, stream=stream, timeout=self.timeout
                 )
                 if resp.status_code in (401, 403):
                     resp.close()
-                    raise PullError(
-                        401, "auth_failed", "Registry authentication failed (check credentials)"
-                    )
+                    raise PullError(401, "auth_failed", self._auth_message("refused the login"))
             return resp
         except requests.exceptions.SSLError as err:
             raise PullError(

@@ -191,12 +191,14 @@ class ModelStore:
         harbor_host = None
         if req.source == "harbor":
             s = self.settings
-            if not (s.harbor_url and s.harbor_username and s.harbor_password):
+            # Credentials are optional: an open registry (or a public project) pulls
+            # anonymously, and a refused login names the registry and the settings to set.
+            if not s.harbor_url:
                 raise PullError(
-                    500,
+                    503,
                     "credentials_missing",
-                    "Harbor credentials not configured. "
-                    "Set HARBOR_URL, HARBOR_USERNAME, and HARBOR_PASSWORD.",
+                    "repo:// pulls need a registry: set HARBOR_URL (and HARBOR_USERNAME / "
+                    "HARBOR_PASSWORD when it needs a login).",
                 )
             harbor_host = oci.parse_registry_url(s.harbor_url)[1]
         slug = check_request(req, harbor_host)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_RE = re.compile(
@@ -113,3 +114,39 @@ def resolve_model_path(value: str, models_dir: Path, *, hub_id_allowed: bool = F
 def _anchor(rel: str, models_dir: Path) -> Path:
     """A relative config path as the real path it names under MODELS_DIR (links resolved)."""
     return (models_dir.resolve() / rel).resolve()
+
+
+def pulled_path(source_uri: str, lookup: Callable[[str], Path | None] | None) -> Path | None:
+    """Where a previous pull put `source_uri` (its subpath inside the pulled directory for
+    `repo://name:ver/sub`); None when it was never pulled."""
+    if lookup is None:
+        return None
+    root = lookup(source_uri)
+    if root is None:
+        return None
+    sub = repo_subpath(source_uri)
+    if not sub:
+        return root
+    path = confine(sub, root, what="model_source subpath")
+    if not path.exists():
+        raise SourceError(f"{sub!r} is not in the pulled model of {repo_base_uri(source_uri)}")
+    return path
+
+
+def pull_hint(source_uri: str) -> str:
+    """What to run so that `source_uri` can be used by name."""
+    if source_uri.startswith(HF_PREFIX):
+        model_id = source_uri[len(HF_PREFIX) :].strip("/")
+        body = (
+            f'{{"source": "huggingface", "model_id": "{model_id}", '
+            f'"source_uri": "{source_uri}"}}'
+        )
+    else:
+        body = (
+            f'{{"source": "harbor", "harbor_ref": "PROJECT/NAME:VERSION", '
+            f'"source_uri": "{source_uri}"}}'
+        )
+    return (
+        f"model_source {source_uri} was never pulled on this host: pull it first with "
+        f"POST /models/pull {body} (or `solar-host pull {source_uri}`), or give the model path"
+    )

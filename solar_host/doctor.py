@@ -1,0 +1,338 @@
+"""`solar-host doctor`: what this machine can run, and what to fix before it joins a fleet.
+
+It reads the same settings the host would (.env, the environment), changes nothing (no
+directory created, no key generated) and prints one line per check with the fix under each
+failing one. Exit 0 only when every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from solar_host.settings import PLACEHOLDER_API_KEYS, Settings
+
+MIN_KEY_LENGTH = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+# --- the checks (each pure apart from the probe it names) ------------------------------
+
+
+def check_backends(settings: Settings, probe: Any) -> tuple[Check, dict[str, Any]]:
+    """The availability table (as GET / shows it) and whether any backend can run."""
+    import importlib.util
+
+    from solar_host.backends.base import HostFacts
+    from solar_host.backends.registry import BackendRegistry
+
+    facts = HostFacts(
+        gpu_type=probe.gpu_type(),
+        llama_server_bin=settings.llama_server_bin,
+        sglang_venv_path=settings.sglang_venv_path,
+        hf_available=all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
+    )
+    table = BackendRegistry.default().availability(facts)
+    usable = [bt for bt, a in table.items() if a.available]
+    check = Check(
+        "backends",
+        bool(usable),
+        f"can run: {', '.join(usable)}" if usable else "no backend can run on this host",
+        "" if usable else "pip install 'solar-host[llamacpp]' (or see the reasons above)",
+    )
+    return check, {bt: a.as_dict() for bt, a in table.items()}
+
+
+def _key(settings: Settings) -> tuple[str, str]:
+    """(the host key, where it comes from) as the host would resolve it, without creating one."""
+    if settings.api_key:
+        return settings.api_key, "API_KEY"
+    try:
+        return settings.api_key_file.read_text(encoding="utf-8").strip(), str(settings.api_key_file)
+    except OSError:
+        return "", ""
+
+
+def check_api_key(settings: Settings) -> Check:
+    key, where = _key(settings)
+    if not key:
+        return Check(
+            "api key",
+            False,
+            "API_KEY is not set and no generated key is stored yet",
+            f"set API_KEY in .env (a long random secret), or start the host once to have one "
+            f"generated into {settings.api_key_file.absolute()}",
+        )
+    if key.lower() in PLACEHOLDER_API_KEYS:
+        return Check("api key", False, f"{where} is a documentation placeholder", "set a secret")
+    if len(key) < MIN_KEY_LENGTH:
+        return Check(
+            "api key",
+            False,
+            f"{where} has {len(key)} characters",
+            f"use at least {MIN_KEY_LENGTH} random characters, e.g. "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )
+    return Check("api key", True, f"set ({where}, {len(key)} characters)")
+
+
+def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
+    """PORT is free for the host, or a solar-host already serves there and accepts the key."""
+    import socket
+
+    import httpx
+
+    addr = "127.0.0.1" if settings.host in ("0.0.0.0", "", "::") else settings.host
+    try:
+        with socket.create_connection((addr, settings.port), timeout=timeout):
+            pass
+    except OSError:
+        return Check("port", True, f"{settings.port} is free for the REST API")
+    url = f"http://{addr}:{settings.port}"
+    try:
+        root = httpx.get(url + "/", timeout=timeout).json()
+    except (httpx.HTTPError, ValueError):
+        root = None
+    if not isinstance(root, dict) or root.get("service") != "solar-host":
+        return Check(
+            "port",
+            False,
+            f"{settings.port} is taken by another program",
+            "stop it, or set PORT to a free port",
+        )
+    try:
+        status = httpx.get(url + "/instances", headers={"X-API-Key": key}, timeout=timeout)
+    except httpx.HTTPError as err:
+        return Check("port", False, f"the solar-host on {settings.port} does not answer: {err}")
+    if status.status_code == 401:
+        return Check(
+            "port",
+            False,
+            f"a solar-host serves on {settings.port} but refuses this API key",
+            "use the key it was started with (API_KEY, or the key file beside its CONFIG_FILE)",
+        )
+    return Check("port", True, f"a solar-host {root.get('version')} serves on {settings.port}")
+
+
+def _writable(path: Path) -> tuple[bool, str]:
+    """Whether `path` is (or can be created as) a writable directory; what was found."""
+    p = path.absolute()
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return False, f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return False, f"{probe} is not writable by uid {os.getuid()}"
+    return True, str(p) if probe == p else f"{p} (will be created in {probe})"
+
+
+def check_directories(settings: Settings) -> list[Check]:
+    out = []
+    for setting, path in (
+        ("CONFIG_FILE", settings.config_file.absolute().parent),
+        ("LOG_DIR", settings.log_dir),
+        ("MODELS_DIR", settings.models_dir),
+        ("JOBS_DIR", settings.jobs_dir),
+    ):
+        ok, detail = _writable(path)
+        fix = "" if ok else f"make it writable (chown/chmod) or point {setting} elsewhere"
+        label = "config dir" if setting == "CONFIG_FILE" else setting.lower()
+        out.append(Check(f"{label} writable", ok, detail, fix))
+    return out
+
+
+def check_disk(settings: Settings, probe: Any) -> Check:
+    usage = probe.disk(settings.models_dir)
+    if usage is None:
+        return Check("disk", False, f"cannot stat {settings.models_dir}", "check MODELS_DIR")
+    free_gib = usage.available_bytes / 1024**3
+    need = settings.min_free_disk_gb
+    detail = f"{free_gib:.1f} GiB free for MODELS_DIR (floor MIN_FREE_DISK_GB={need:g})"
+    if free_gib < need:
+        return Check("disk", False, detail, "free space, or move MODELS_DIR to a larger disk")
+    return Check("disk", True, detail)
+
+
+def check_gpu(probe: Any) -> Check:
+    try:
+        kind = probe.gpu_type()
+        gpus = probe.gpus()
+    except Exception as err:  # a broken driver must show here, not crash the doctor
+        return Check("gpu", False, f"probe failed: {err}", "check the NVIDIA driver (nvidia-smi)")
+    if gpus:
+        names = ", ".join(f"{g.index}: {g.name} {g.total_bytes / 1024**3:.0f} GiB" for g in gpus)
+        return Check("gpu", True, f"{kind}: {names}")
+    if kind == "cpu" and Path("/dev/nvidiactl").exists():
+        return Check(
+            "gpu",
+            False,
+            "an NVIDIA device is present but NVML sees none",
+            "pip install 'solar-host[nvidia]' and check the driver (nvidia-smi)",
+        )
+    return Check("gpu", True, f"{kind} (no GPU: llama.cpp runs on the CPU)")
+
+
+def check_docker(connect: Callable[[], Any] | None = None) -> Check:
+    """Jobs run in Docker: the daemon must answer a ping."""
+    try:
+        if connect is None:
+            from solar_host.jobs.docker import DockerJobs
+
+            connect = DockerJobs.connect
+        client = connect()
+        try:
+            client.ping()
+        finally:
+            close = getattr(client, "close", None)
+            if close:
+                close()
+    except Exception as err:
+        return Check(
+            "docker",
+            False,
+            f"daemon not reachable: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            "start dockerd (systemctl start docker), set DOCKER_HOST, or add this user to the "
+            "docker group; only jobs need it",
+        )
+    return Check("docker", True, "daemon answers")
+
+
+def check_control(settings: Settings, timeout: float = 5.0) -> Check:
+    urls = settings.control_urls
+    if not urls:
+        return Check(
+            "control url",
+            False,
+            "SOLAR_CONTROL_URL is not set (the host runs standalone)",
+            "set SOLAR_CONTROL_URL to solar-control's URL to join a fleet",
+        )
+    import httpx
+
+    bad = []
+    for url in urls:
+        try:
+            # The Engine.IO handshake path answers any client: reachability, not auth.
+            r = httpx.get(
+                url.rstrip("/") + "/socket.io/?EIO=4&transport=polling",
+                timeout=timeout,
+                verify=not settings.insecure,
+            )
+            if r.status_code >= 500:
+                bad.append(f"{url} answered {r.status_code}")
+        except httpx.HTTPError as err:
+            bad.append(f"{url}: {type(err).__name__}: {err}")
+    if bad:
+        return Check(
+            "control url",
+            False,
+            "; ".join(bad),
+            "check SOLAR_CONTROL_URL, the network path and TLS (INSECURE=true for a "
+            "self-signed test setup)",
+        )
+    return Check("control url", True, ", ".join(urls) + " reachable")
+
+
+# --- running them ----------------------------------------------------------------------
+
+
+def diagnose(
+    settings: Settings,
+    *,
+    probe: Any = None,
+    docker_connect: Callable[[], Any] | None = None,
+) -> tuple[dict[str, Any], list[Check]]:
+    """(backend availability table, checks) for `settings`."""
+    if probe is None:
+        from solar_host.resources.probes import LiveProbe
+
+        probe = LiveProbe()
+    backends_check, table = check_backends(settings, probe)
+    checks = [
+        backends_check,
+        check_api_key(settings),
+        check_port(settings, _key(settings)[0]),
+        *check_directories(settings),
+        check_disk(settings, probe),
+        check_gpu(probe),
+        check_docker(docker_connect),
+        check_control(settings),
+    ]
+    return table, checks
+
+
+def render(table: dict[str, Any], checks: list[Check], out: TextIO) -> None:
+    out.write("Backends:\n")
+    width = max(len(bt) for bt in table) if table else 0
+    for bt, a in table.items():
+        if a["available"]:
+            out.write(f"  {bt:<{width}}  available   {a['uses']}\n")
+        else:
+            out.write(f"  {bt:<{width}}  unavailable {a['reason']}\n")
+    out.write("\nChecks:\n")
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        out.write(f"  [{'ok' if c.ok else 'FAIL':>4}] {c.name:<{width}}  {c.detail}\n")
+        if not c.ok and c.fix:
+            out.write(f"         {'':<{width}}  fix: {c.fix}\n")
+    failed = [c.name for c in checks if not c.ok]
+    out.write(
+        f"\n{len(checks) - len(failed)}/{len(checks)} checks passed"
+        + (f"; failing: {', '.join(failed)}\n" if failed else "\n")
+    )
+
+
+def run(
+    settings: Settings,
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    probe: Any = None,
+    docker_connect: Callable[[], Any] | None = None,
+) -> int:
+    """Print the report; 0 when every check passed, 1 otherwise."""
+    out = out or sys.stdout
+    table, checks = diagnose(settings, probe=probe, docker_connect=docker_connect)
+    if as_json:
+        json.dump({"backends": table, "checks": [asdict(c) for c in checks]}, out, indent=2)
+        out.write("\n")
+    else:
+        render(table, checks, out)
+    return 0 if all(c.ok for c in checks) else 1
+
+
+# --- the subcommand --------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    """Add `doctor` to the CLI's subparsers; the parsed args carry their handler (`run_cli`)."""
+    p = sub.add_parser("doctor", help="check this machine before it serves or joins a fleet")
+    p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file (default: ./.env)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from solar_host.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings(getattr(args, "env_file", ".env"))
+    except SettingsError as err:
+        print(f"solar-host doctor: {err}", file=sys.stderr)
+        return 2
+    for warning in settings.load_warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return run(settings, as_json=bool(getattr(args, "json", False)))

@@ -1,0 +1,136 @@
+"""`solar-host doctor`: the availability table and the pre-fleet checks, each with its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from solar_host import doctor
+from tests.fixtures.control_server import ControlServer
+from tests.fixtures.docker import DockerDaemon, docker_daemon  # noqa: F401 (fixture)
+from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
+from tests.fixtures.probes import FakeProbe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.docker
+async def test_all_checks_pass_exit_0(
+    tmp_path: Path,
+    docker_daemon: DockerDaemon,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", docker_daemon.host)
+    async with ControlServer() as control:
+        s = host_settings(
+            tmp_path, solar_control_url=control.url, min_free_disk_gb=1, port=free_port()
+        )
+        out = io.StringIO()
+        rc = await asyncio.to_thread(doctor.run, s, out=out, probe=FakeProbe(gpus=[(24, 1)]))
+    text = out.getvalue()
+    assert rc == 0, text
+    assert "11/11 checks passed" in text and "FAIL" not in text
+    assert "llamacpp" in text and "sglang" in text  # the table lists every backend type
+    assert "Fake NVIDIA GPU" in text
+
+
+def test_failures_name_the_fix_through_the_cli(tmp_path: Path) -> None:
+    (tmp_path / "not-a-dir").write_text("x")
+    env_file = tmp_path / ".env"
+    env_file.write_text(
+        "\n".join(
+            [
+                "API_KEY=short",
+                f"LOG_DIR={tmp_path / 'not-a-dir' / 'logs'}",
+                f"MODELS_DIR={tmp_path / 'models'}",
+                f"CONFIG_FILE={tmp_path / 'config.json'}",
+                f"JOBS_DIR={tmp_path / 'jobs'}",
+                "MIN_FREE_DISK_GB=100000000",
+                f"SOLAR_CONTROL_URL=http://127.0.0.1:{free_port()}",
+                "LLAMA_SERVER_BIN=/nowhere/llama-server",
+                "",
+            ]
+        )
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(ROOT),
+        "DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock",
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "solar_host", "doctor", "--env-file", str(env_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout
+    assert "LLAMA_SERVER_BIN=/nowhere/llama-server is not an executable" in out
+    for name, fix in [
+        ("api key", "at least 16 random characters"),
+        ("log_dir writable", "point LOG_DIR elsewhere"),
+        ("disk", "free space"),
+        ("docker", "start dockerd"),
+        ("control url", "check SOLAR_CONTROL_URL"),
+    ]:
+        line = next(ln for ln in out.splitlines() if f"] {name}" in ln)
+        assert "[FAIL]" in line, line
+        assert fix in out, fix
+    assert "[  ok] models_dir writable" in out
+
+    r = subprocess.run(
+        [sys.executable, "-m", "solar_host", "doctor", "--json", "--env-file", str(env_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    body = json.loads(r.stdout)
+    assert body["backends"]["llamacpp"]["available"] is False
+    assert {c["name"]: c["ok"] for c in body["checks"]}["api key"] is False
+
+
+def test_bad_settings_exit_2(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text("PORT=not-a-port\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "solar_host", "doctor", "--env-file", str(env_file)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "PORT" in r.stderr
+
+
+async def test_port_check_knows_a_running_host_and_its_key(tmp_path: Path) -> None:
+    async with running_host(host_settings(tmp_path / "h")) as h:
+        port = int(h.url.rsplit(":", 1)[1])
+        ok = await asyncio.to_thread(doctor.check_port, host_settings(tmp_path, port=port), API_KEY)
+        assert ok.ok and "serves on" in ok.detail, ok
+        bad = await asyncio.to_thread(
+            doctor.check_port, host_settings(tmp_path, port=port), "another-key-0123456789"
+        )
+        assert not bad.ok and "refuses this API key" in bad.detail and bad.fix
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen(1)
+    try:
+        taken = doctor.check_port(host_settings(tmp_path, port=other.getsockname()[1]), API_KEY)
+        assert not taken.ok and "another program" in taken.detail and "PORT" in taken.fix
+    finally:
+        other.close()
+    free = doctor.check_port(host_settings(tmp_path, port=free_port()), API_KEY)
+    assert free.ok and "is free" in free.detail

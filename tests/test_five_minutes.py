@@ -1,0 +1,162 @@
+"""The README's five-minute path, run as written on a fresh virtualenv with no llama-server on
+PATH: install, doctor, start the host, pull a GGUF from the Hub (a loopback stand-in), create it
+by name, start it, chat, stop.
+
+The default variant installs this checkout into the new virtualenv without its dependencies and
+lets that virtualenv see the dependencies already installed for the tests (a .pth file), so it
+runs in CI in seconds; SOLAR_LONG_TESTS=1 also runs the README's install line itself, resolving
+every dependency from the package index.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.gguf import write_tiny_gguf
+from tests.fixtures.host import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+MARKER = "# five-minutes: "
+INSTALL_LINE = "python3 -m venv .venv && .venv/bin/pip install -q 'solar-host[llamacpp]'"
+TAG_VAR = "SOLAR_FIVE_MINUTES_TAG"
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only"),
+    pytest.mark.timeout(600),
+]
+
+
+def five_minute_blocks() -> list[tuple[str, str]]:
+    out = []
+    for lang, body in FENCE.findall(README.read_text(encoding="utf-8")):
+        first = body.splitlines()[0] if body.strip() else ""
+        if first.startswith(MARKER):
+            assert lang == "bash", first
+            out.append((first[len(MARKER) :].strip(), body))
+    return out
+
+
+def test_readme_has_the_five_minute_path() -> None:
+    titles = [t for t, _ in five_minute_blocks()]
+    assert titles == ["install", "start the host", "pull a model and start it", "chat", "stop"]
+    assert INSTALL_LINE in five_minute_blocks()[0][1]
+
+
+@pytest.fixture
+def hub(tmp_path: Path):
+    repo = tmp_path / "hub" / "Qwen" / "Qwen2.5-0.5B-Instruct-GGUF"
+    repo.mkdir(parents=True)
+    write_tiny_gguf(repo / "qwen2.5-0.5b-instruct-q4_k_m.gguf")
+    (repo / "qwen2.5-0.5b-instruct-fp16.gguf").write_bytes(b"GGUF" + os.urandom(2000))
+    (repo / "README.md").write_text("tiny stand-in\n")
+    h = FakeHub(tmp_path / "hub").start()
+    yield h
+    h.stop()
+
+
+def _reap(tag: str) -> None:
+    """Stop whatever the script left running (found by the tag in its environment)."""
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid != os.getpid() and p.environ().get(TAG_VAR) == tag:
+                p.send_signal(signal.SIGKILL)
+        except (psutil.Error, OSError):
+            continue
+
+
+def _run_path(tmp_path: Path, hub: FakeHub, install: str) -> subprocess.CompletedProcess[str]:
+    work = tmp_path / "work"
+    work.mkdir()
+    bin_dir = tmp_path / "bin"  # the machine's python3 and nothing else of ours
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys._base_executable)  # type: ignore[attr-defined]
+    path = f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    assert shutil.which("llama-server", path=path) is None
+    blocks = five_minute_blocks()
+    script = ["set -euo pipefail"]
+    for i, (title, body) in enumerate(blocks):
+        if title == "install":
+            assert INSTALL_LINE in body
+            body = body.replace(INSTALL_LINE, install)
+        script += [
+            f"echo '@@BLOCK {i} {title}'; date +%s.%N >&2",
+            body.rstrip("\n"),
+            f"echo '@@DONE {i}'; date +%s.%N >&2",
+        ]
+    tag = uuid.uuid4().hex
+    env = {
+        "PATH": path,
+        "HOME": str(tmp_path),
+        "LANG": "C.UTF-8",
+        "PORT": str(free_port()),
+        "START_PORT": str(21000 + (abs(hash(str(tmp_path))) % 20000)),
+        "HF_ENDPOINT": hub.url,
+        TAG_VAR: tag,
+    }
+    for var in ("PIP_FIND_LINKS", "PIP_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_INDEX_URL"):
+        if var in os.environ:  # how this machine reaches its package index
+            env[var] = os.environ[var]
+    try:
+        return subprocess.run(
+            ["bash", "-c", "\n".join(script) + "\n"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
+    finally:
+        _reap(tag)
+
+
+def _check(result: subprocess.CompletedProcess[str], work: Path) -> None:
+    host_log = work / "host.log"
+    report = (
+        f"\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+        f"\n--- host.log ---\n{host_log.read_text() if host_log.exists() else '(none)'}"
+    )
+    assert result.returncode == 0, report
+    out = result.stdout
+    for i in range(len(five_minute_blocks())):
+        assert f"@@DONE {i}" in out, report
+    # the installed package ran, not this checkout
+    site_dirs = list((work / ".venv" / "lib").glob("python3*/site-packages/solar_host"))
+    assert site_dirs, report
+    # GET / said llama.cpp runs through xllamacpp; doctor printed its table
+    assert '"available":true' in out and "xllamacpp" in out, report
+    assert "Checks:" in out, report
+    # the chat answered with text, the stop with "stopped"
+    chat = out.split("@@BLOCK 3 chat", 1)[1].split("@@DONE 3", 1)[0].strip()
+    assert chat and chat != "null", report
+    assert "stopped" in out.split("@@BLOCK 4 stop", 1)[1], report
+
+
+def test_five_minute_path_on_a_fresh_virtualenv(tmp_path: Path, hub: FakeHub) -> None:
+    deps = site.getsitepackages()[0]  # what is installed for the tests, seen through a .pth
+    install = (
+        "python3 -m venv .venv && "
+        f"echo '{deps}' > \"$(echo .venv/lib/python3*/site-packages)/_test_deps.pth\" && "
+        f".venv/bin/pip install -q --no-deps '{ROOT}'"
+    )
+    _check(_run_path(tmp_path, hub, install), tmp_path / "work")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SOLAR_LONG_TESTS"), reason="SOLAR_LONG_TESTS=1 only")
+def test_five_minute_path_with_the_full_install(tmp_path: Path, hub: FakeHub) -> None:
+    install = f"python3 -m venv .venv && .venv/bin/pip install -q '{ROOT}[llamacpp]'"
+    _check(_run_path(tmp_path, hub, install), tmp_path / "work")
