@@ -182,3 +182,53 @@ def test_start_and_restart_show_phases_until_ready(host: HostProc, tmp_path: Pat
     spec.write_text(json.dumps({**bad, "alias": "bad:1b"}))
     rc, _, err = run_cli("create", "--file", str(spec), "--start", *c, cwd=tmp_path)
     assert rc == 1 and "boom" in err, err
+
+
+def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -> None:
+    """On a terminal the phases print under a live spinner line that shows the backend's
+    latest log line while it loads (rich redraws it in place)."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    c = conn(host)
+    cfg = script_config(tmp_path, "--lines", LOADING, "--ready-after", "2", alias="tty:1b")
+    spec = tmp_path / "tty.json"
+    spec.write_text(json.dumps(cfg))
+    rc, _, err = run_cli("create", "--file", str(spec), *c, cwd=tmp_path)
+    assert rc == 0, err
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in CLEARED}
+    env.update(PYTHONPATH=str(REPO), TERM="xterm-256color")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "solar_host", "start", "tty:1b", *c],
+            cwd=tmp_path,
+            env=env,
+            stdout=slave,
+            stderr=subprocess.PIPE,
+        )
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its side
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+    finally:
+        os.close(master)
+    drawn = b"".join(chunks).decode(errors="replace")
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
+    assert "\x1b[" in drawn  # drawn in place, not appended
+    for phase in ("starting", "spawned pid", "loading 50%", "loading 100%", "ready"):
+        assert phase in screen, screen
+    # the live line: the latest backend line while it loads
+    assert "loading (" in screen and "Loading checkpoint shards" in screen, screen
+    assert re.search(r": running \(port \d+, pid \d+\), ready in \d+\.\d s", screen), screen
