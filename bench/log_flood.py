@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import websockets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,11 +93,18 @@ def alone(server_bin: Path, model: Path, tmp: Path) -> float:
         p.wait()
 
 
-def under_host(host: HostProc, iid: str, lines: int) -> tuple[float, bool, bool]:
-    """(backend's own flood time, every line read in order, parser produced generations)."""
+def host_cpu_s(host: HostProc) -> float:
+    t = psutil.Process(host.pid).cpu_times()
+    return t.user + t.system
+
+
+def under_host(host: HostProc, iid: str, lines: int) -> tuple[float, bool, bool, float]:
+    """(backend's own flood time, every line read in order, parser produced generations, host
+    CPU seconds from the start call to the last line read)."""
     with host.client(timeout=60) as c:
         before = c.get(f"/instances/{iid}/logs").json()
         since = before[-1]["seq"] + 1 if before else 0
+        cpu0 = host_cpu_s(host)
         c.post(f"/instances/{iid}/start").raise_for_status()
         deadline = time.monotonic() + 300
         done = None
@@ -106,6 +114,7 @@ def under_host(host: HostProc, iid: str, lines: int) -> tuple[float, bool, bool]
             for e in c.get(f"/instances/{iid}/logs").json()[-3:]:
                 if e["line"].startswith("FLOOD_DONE "):
                     done = e
+        cpu = host_cpu_s(host) - cpu0
         ring = c.get(f"/instances/{iid}/logs").json()
         seqs = [e["seq"] for e in ring]
         # startup lines + the flood + FLOOD_DONE, each read once, in order
@@ -114,7 +123,7 @@ def under_host(host: HostProc, iid: str, lines: int) -> tuple[float, bool, bool]
         )
         parsed = c.get(f"/instances/{iid}/last-generation").status_code == 200
         c.post(f"/instances/{iid}/stop").raise_for_status()
-    return float(done["line"].split()[1]), every_line, parsed
+    return float(done["line"].split()[1]), every_line, parsed, cpu
 
 
 async def ws_reader(host: HostProc, iid: str) -> tuple[float, int, int]:
@@ -160,7 +169,7 @@ def main() -> int:
         server_bin = make_server_bin(tmp, args.lines)
         model = write_tiny_gguf(tmp / "tiny.gguf")
         alone_runs: list[float] = []
-        host_runs: list[tuple[float, bool, bool]] = []
+        host_runs: list[tuple[float, bool, bool, float]] = []
         with HostProc(
             tmp / "host",
             backend="real",
@@ -200,6 +209,12 @@ def main() -> int:
     print(
         f"  ratio host / alone: median {statistics.median(ratios):.3f} "
         f"(pairs: {', '.join(f'{x:.2f}' for x in ratios)})   [target <= 1.10; old release ~90x]"
+    )
+    cpu = [r[3] for r in host_runs]
+    print(
+        f"  host process CPU per flood (start call to last line read, includes the start): "
+        f"median {statistics.median(cpu):.2f} s ({spread(cpu, '{:.2f}')}), "
+        f"{statistics.median(cpu) / args.lines * 1e6:.1f} us per line"
     )
     print(
         f"  every line read once, in order: {all(r[1] for r in host_runs)}; "

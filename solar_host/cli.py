@@ -43,19 +43,33 @@ EXIT_AUTH = 4
 INSTANCE_HELP = "alias, id or unique id prefix"
 
 
-# --- the client commands: one entry each --------------------------------------------------------
+# --- commands: one entry each ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ClientCommand:
-    """One client subcommand: its name, help, arguments and what it does.
+    """A subcommand that talks to a running host: `run(client, args)`.
 
-    Adding a command is one entry in CLIENT_COMMANDS (see the bottom of the file).
+    Adding one is one entry in CLIENT_COMMANDS (bottom of the file): it gets the connection
+    options, --json, and the exit codes of run_client.
     """
 
     name: str
     help: str
     run: Callable[[Any, argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+@dataclass(frozen=True)
+class LocalCommand:
+    """A subcommand that works on this machine without a running host: `run(args)`.
+
+    Adding one is one entry in LOCAL_COMMANDS (bottom of the file); `serve` is the default.
+    """
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None] | None = None
 
 
@@ -95,18 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (overrides PORT)")
     p.add_argument("--env-file", default=".env", help="settings file (default: ./.env)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
-    serve_p = sub.add_parser("serve", help="run the host (the default)")
-    serve_p.add_argument("--host", default=argparse.SUPPRESS, help="bind address")
-    serve_p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port")
-    serve_p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
-
+    for local in LOCAL_COMMANDS:
+        sp = sub.add_parser(local.name, help=local.help)
+        if local.arguments is not None:
+            local.arguments(sp)
     opts = _client_options()
     for command in CLIENT_COMMANDS:
         sp = sub.add_parser(command.name, parents=[opts], help=command.help)
         if command.arguments is not None:
             command.arguments(sp)
     return p
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: `solar-host --port 1 serve` keeps the port given before the subcommand.
+    p.add_argument("--host", default=argparse.SUPPRESS, help="bind address")
+    p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port")
+    p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
 
 
 def _instance_arg(p: argparse.ArgumentParser) -> None:
@@ -597,7 +616,10 @@ def cmd_jobs(c: Any, args: argparse.Namespace) -> int:
         return EXIT_OK
     if action == "cancel":
         body = c.cancel_job(args.job_id)
-        print_json(body) if args.json else print(f"{args.job_id}: cancelled")
+        if args.json:
+            print_json(body)
+        else:
+            print(f"{args.job_id}: cancelled")
         return EXIT_OK
     job = c.job(args.job_id)
     if action == "show":
@@ -654,6 +676,10 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
 
 
 # --- registry and dispatch --------------------------------------------------------------------
+
+LOCAL_COMMANDS: tuple[LocalCommand, ...] = (
+    LocalCommand("serve", "run the host (the default)", serve, _serve_arguments),
+)
 
 CLIENT_COMMANDS: tuple[ClientCommand, ...] = (
     ClientCommand("status", "host health, version and instance counts", cmd_status),
@@ -736,6 +762,9 @@ def run_client(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in (None, "serve"):
+    if args.command is None:
         return serve(args)
+    for local in LOCAL_COMMANDS:
+        if local.name == args.command:
+            return local.run(args)
     return run_client(args)

@@ -420,3 +420,32 @@ async def test_log_stream_errors_map_to_exit_code_classes(tmp_path: Path) -> Non
     with HostClient(f"http://127.0.0.1:{free_port()}", API_KEY) as c:
         with pytest.raises(HostUnreachable):
             await drain(c, "nope")
+
+
+async def test_state_stream_carries_lifecycle_status(tmp_path: Path) -> None:
+    """WS /instances/{id}/state: after the runtime snapshot, an instance_status message at each
+    lifecycle step of a start and a stop, with pid and port once spawned."""
+    from websockets.asyncio.client import connect
+
+    reg = BackendRegistry([ScriptBackend()])
+    async with running_host(host_settings(tmp_path), backends=reg) as h:
+        r = await h.client.post("/instances", json={"config": model_cfg(tmp_path)})
+        iid = r.json()["instance"]["id"]
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/state"
+        async with connect(url, additional_headers={"X-API-Key": API_KEY}) as ws:
+            first = json.loads(await asyncio.wait_for(ws.recv(), 20))
+            assert first["type"] == "instance_state" and first["data"]["instance_id"] == iid
+            assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+            assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+            seen: list[dict[str, Any]] = []
+            while not seen or seen[-1]["reason"] != "stopped":
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                if msg["type"] == "instance_status":
+                    assert msg["timestamp"]
+                    seen.append(msg["data"])
+    reasons = [m["reason"] for m in seen]
+    assert reasons == ["starting", "spawned", "ready", "stopping", "stopped"], reasons
+    spawned = seen[1]
+    assert spawned["status"] == "starting" and spawned["pid"] > 0 and spawned["port"] > 0
+    assert seen[2]["status"] == "running" and seen[2]["pid"] == spawned["pid"]
+    assert seen[-1]["status"] == "stopped" and seen[-1]["pid"] is None
