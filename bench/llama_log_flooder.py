@@ -74,7 +74,11 @@ def main() -> int:
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer((args.host, args.port), Health)
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # a health poller that hangs up early is no log line of llama-server's
+
+    server = Server((args.host, args.port), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     out = sys.stdout
     for line in STARTUP:

@@ -525,10 +525,11 @@ PULL_POLL_S = 0.25
 async def _pull_with_display(c: Any, body: dict[str, Any], display: Any) -> dict[str, Any]:
     """POST the pull; meanwhile poll GET /metrics for its progress and feed the display."""
     from solar_host.cli_pull import read_pull_progress
+    from solar_host.cli_threads import in_daemon_thread
     from solar_host.client import ClientError, HostClient
 
     puller = HostClient(c.url, c.api_key, timeout=c.timeout)
-    task = asyncio.ensure_future(asyncio.to_thread(puller.pull, body))
+    task = asyncio.ensure_future(in_daemon_thread(puller.pull, body))
     ok = False
     try:
         while not task.done():

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from solar_host.cli_threads import in_daemon_thread
 from solar_host.client import ClientError, HostClient
 
 # Progress a backend prints while it loads weights (transformers, SGLang, tqdm bars).
@@ -202,7 +203,7 @@ async def run_with_phases(c: HostClient, iid: str, action: str, log: PhaseLog) -
             await asyncio.wait_for(connected.wait(), WS_CONNECT_WAIT_S)
         caller = HostClient(c.url, c.api_key, timeout=c.timeout)
         try:
-            body = await asyncio.to_thread(getattr(caller, action), iid)
+            body = await in_daemon_thread(getattr(caller, action), iid)
         finally:
             caller.close()
         if log.spawned and not log.ready.is_set():
