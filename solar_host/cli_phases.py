@@ -23,17 +23,22 @@ from typing import Any, TextIO
 from solar_host.cli_threads import in_daemon_thread
 from solar_host.client import ClientError, HostClient
 
-# Progress a backend prints while it loads weights (transformers, SGLang, tqdm bars).
-_LOAD_PERCENT = re.compile(r"(?i)\bload\w*\b[^%]*?(\d{1,3}(?:\.\d+)?)\s?%")
+# Progress bars a backend prints while it loads weights: transformers' and tqdm's
+# "Loading weights:  50%|#####     | 1/2", SGLang's "Loading safetensors checkpoint shards:
+# 50% Completed | 1/2". A bar redrawn with \r arrives as one line: the last state counts.
+_LOAD_PERCENT = re.compile(
+    r"(?i)\bload\w*\b[^%\r]*?(\d{1,3}(?:\.\d+)?)\s?%\s*(?:\||completed|\d+/\d+)"
+)
 POLL_S = 0.25
 WS_CONNECT_WAIT_S = 5.0
 
 
 def load_percent(line: str) -> float | None:
     """The loading percentage in a backend log line, if it reports one."""
-    m = _LOAD_PERCENT.search(line)
-    if m is None:
+    matches = list(_LOAD_PERCENT.finditer(line))
+    if not matches:
         return None
+    m = matches[-1]
     value = float(m.group(1))
     return value if 0 <= value <= 100 else None
 

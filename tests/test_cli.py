@@ -449,3 +449,21 @@ async def test_state_stream_carries_lifecycle_status(tmp_path: Path) -> None:
     assert spawned["status"] == "starting" and spawned["pid"] > 0 and spawned["port"] > 0
     assert seen[2]["status"] == "running" and seen[2]["pid"] == spawned["pid"]
     assert seen[-1]["status"] == "stopped" and seen[-1]["pid"] is None
+
+
+@pytest.mark.parametrize(
+    ("line", "percent"),
+    [
+        ("Loading checkpoint shards:  50%|#####     | 1/2 [00:01<00:01,  1.2s/it]", 50.0),
+        # a tqdm bar redrawn with \r reaches the log as one line: its last state counts
+        ("Loading weights:   0%|    | 0/103 [00:00<?]\rLoading weights: 100%|####| 103/103", 100.0),
+        ("[2026-11-30 10:00:01] Loading safetensors checkpoint shards:  50% Completed | 1/2", 50.0),
+        ("Loading model with 90% of GPU memory reserved", None),  # no bar: not progress
+        ("load_tensors: offloaded 33/33 layers to GPU", None),
+        ("slot update_slots: id 0 | task 1 | prompt processing progress, progress = 0.5", None),
+    ],
+)
+def test_loading_progress_is_read_from_progress_bars_only(line: str, percent: float | None) -> None:
+    from solar_host.cli_phases import load_percent
+
+    assert load_percent(line) == percent
