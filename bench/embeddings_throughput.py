@@ -313,6 +313,11 @@ def main() -> None:
         f"client process {1000 * cli_cpu / srv_req:.2f} ms/request "
         f"({100 * cli_cpu / srv_time:.0f}% of a core)"
     )
+    best_base_ms = min(1000 * sum(v[0::2]) / sum(v[1::2]) for v in cpu_per.values())
+    print(
+        f"CPU ratio                 : {best_base_ms / srv_ms:8.2f}   (in-process CPU per sentence "
+        "at its best thread count / the instance's; CPU time barely depends on the load)"
+    )
     print(f"server stats              : {json.dumps(stats)}")
 
 
