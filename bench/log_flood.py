@@ -1,9 +1,18 @@
-"""A backend that prints 200,000 lines: under the host versus writing to a file on its own.
+"""A llama-server printing 200,000 real log lines: under the host versus on its own.
 
-The backend times its own flood (FLOOD_DONE <seconds> in its log). Prints both, their ratio
-(target <= 1.10), whether every line reached the ring and the file with contiguous seqs, and
-how long after the start answered the last line reached a WebSocket client. (The old release
-read the backend's pipe one byte per syscall and slowed such a backend about 90x.)
+The backend is bench/llama_log_flooder.py, launched by the host as a `llamacpp` instance
+(LLAMA_SERVER_BIN points at it), so its lines go the shipped way: into the log file the host
+gives the backend, read by the host's follower, fed to the llama.cpp log parser (runtime state,
+generation records) and into the ring, at default settings (LOG_BUFFER_SIZE 1000). The lines are
+cycled from a busy real llama-server's log (about 106 bytes each). The baseline is the same
+program with the same arguments writing to a file opened the same way (O_APPEND), alone, in the
+same run; runs alternate (alone, host, alone, host, ...) so the machine's load hits both alike.
+
+The backend times its own flood (FLOOD_DONE <seconds>). Prints both times in ms, the ratio per
+pair (target <= 1.10), that the host read every line (seqs), that the parser produced
+generation records, and the machine's load average. One more run with a WebSocket client
+streaming the log shows how far behind a live reader is (it gets gap markers where it fell
+further behind than the ring).
 
     .venv/bin/python bench/log_flood.py [--lines 200000] [--runs 3]
 """
@@ -13,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,15 +30,30 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import websockets
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.llama_log_flooder import STARTUP  # noqa: E402
+from tests.fixtures.gguf import write_tiny_gguf  # noqa: E402
 from tests.fixtures.host import free_port  # noqa: E402
 from tests.fixtures.hostproc import HostProc  # noqa: E402
 
-FAKE = ROOT / "tests" / "fixtures" / "fake_backend.py"
+FLOODER = ROOT / "bench" / "llama_log_flooder.py"
+POLL_S = 0.2  # both waits poll at this pace, so the waiting costs both sides the same
+
+
+def make_server_bin(tmp: Path, lines: int) -> Path:
+    """An executable `llama-server` that runs the flooder with the line count baked in."""
+    path = tmp / "llama-server"
+    path.write_text(
+        f'#!/bin/sh\nexec {sys.executable} -u {FLOODER} --flood-lines {lines} "$@"\n',
+        encoding="utf-8",
+    )
+    path.chmod(0o755)
+    return path
 
 
 def flood_time(text: str) -> float | None:
@@ -38,78 +63,99 @@ def flood_time(text: str) -> float | None:
     return None
 
 
-def alone(lines: int, tmp: Path) -> float:
-    out_path = tmp / f"alone-{time.monotonic_ns()}.log"
-    with open(out_path, "wb") as out:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "-u",
-                str(FAKE),
-                "--port",
-                str(free_port()),
-                "--flood-after-ready",
-                str(lines),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+def alone(server_bin: Path, model: Path, tmp: Path) -> float:
+    """The flooder on its own, stdout and stderr appended to a file as the host spawns it."""
+    log_path = tmp / f"alone-{time.monotonic_ns()}.log"
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     try:
-        deadline = time.monotonic() + 120
+        p = subprocess.Popen(
+            [str(server_bin), "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(free_port())],
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(fd)
+    try:
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            t = flood_time(out_path.read_bytes()[-300:].decode("utf-8", "replace"))
+            with open(log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(log_path) - 300))
+                t = flood_time(f.read().decode("utf-8", "replace"))
             if t is not None:
                 return t
-            time.sleep(0.01)
+            time.sleep(POLL_S)
         raise TimeoutError("flooder did not finish")
     finally:
         p.kill()
         p.wait()
 
 
-async def under_host(
-    host: HostProc, iid: str, lines: int, with_ws: bool
-) -> tuple[float, float, bool, int]:
-    """(backend's own flood time, start -> last line on the WS client, seqs contiguous,
-    lines in the ring). Without `with_ws` nobody streams, so the backend's time shows what the
-    host itself costs it; with it, the WS client competes for the same 2 cores."""
-    ws_url = host.url.replace("http", "ws") + f"/instances/{iid}/logs"
-    headers = {"X-API-Key": host.api_key}
-    with host.client() as c:
+def host_cpu_s(host: HostProc) -> float:
+    t = psutil.Process(host.pid).cpu_times()
+    return t.user + t.system
+
+
+def under_host(host: HostProc, iid: str, lines: int) -> tuple[float, bool, bool, float]:
+    """(backend's own flood time, every line read in order, parser produced generations, host
+    CPU seconds from the start call to the last line read)."""
+    with host.client(timeout=60) as c:
         before = c.get(f"/instances/{iid}/logs").json()
         since = before[-1]["seq"] + 1 if before else 0
-        t0 = time.monotonic()
-        last_at = float("nan")
-        backend_t = None
-        if with_ws:
-            async with websockets.connect(
-                f"{ws_url}?since_seq={since}", additional_headers=headers, max_size=None
-            ) as ws:
-                t0 = time.monotonic()
-                c.post(f"/instances/{iid}/start").raise_for_status()
-                async with asyncio.timeout(180):
-                    while backend_t is None:
-                        msg = json.loads(await ws.recv())
-                        line = msg.get("line", "")
-                        if line == f"flood line {lines - 1}":
-                            last_at = time.monotonic() - t0
-                        elif line.startswith("FLOOD_DONE "):
-                            backend_t = float(line.split()[1])
-        else:
-            c.post(f"/instances/{iid}/start").raise_for_status()
-            async with asyncio.timeout(180):
-                while backend_t is None:
-                    await asyncio.sleep(0.2)
-                    tail = c.get(f"/instances/{iid}/logs").json()[-3:]
-                    for e in tail:
-                        if e["line"].startswith("FLOOD_DONE "):
-                            backend_t = float(e["line"].split()[1])
-        logs = c.get(f"/instances/{iid}/logs").json()
-        seqs = [e["seq"] for e in logs]
-        contiguous = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        in_ring = sum(1 for e in logs if e["line"].startswith("flood line "))
+        cpu0 = host_cpu_s(host)
+        c.post(f"/instances/{iid}/start").raise_for_status()
+        deadline = time.monotonic() + 300
+        done = None
+        while done is None:
+            assert time.monotonic() < deadline, "the flood never finished under the host"
+            time.sleep(POLL_S)
+            for e in c.get(f"/instances/{iid}/logs").json()[-3:]:
+                if e["line"].startswith("FLOOD_DONE "):
+                    done = e
+        cpu = host_cpu_s(host) - cpu0
+        ring = c.get(f"/instances/{iid}/logs").json()
+        seqs = [e["seq"] for e in ring]
+        # startup lines + the flood + FLOOD_DONE, each read once, in order
+        every_line = done["seq"] - since + 1 == len(STARTUP) + lines + 1 and seqs == list(
+            range(seqs[0], seqs[0] + len(seqs))
+        )
+        parsed = c.get(f"/instances/{iid}/last-generation").status_code == 200
         c.post(f"/instances/{iid}/stop").raise_for_status()
-    return backend_t, last_at, contiguous, in_ring
+    return float(done["line"].split()[1]), every_line, parsed, cpu
+
+
+async def ws_reader(host: HostProc, iid: str) -> tuple[float, int, int]:
+    """(start answered -> FLOOD_DONE on the WS client in s, lines received, gap markers)."""
+    ws_url = host.url.replace("http", "ws") + f"/instances/{iid}/logs"
+    with host.client(timeout=60) as c:
+        before = c.get(f"/instances/{iid}/logs").json()
+        since = before[-1]["seq"] + 1 if before else 0
+        async with websockets.connect(
+            f"{ws_url}?since_seq={since}",
+            additional_headers={"X-API-Key": host.api_key},
+            max_size=None,
+        ) as ws:
+            await asyncio.to_thread(c.post(f"/instances/{iid}/start").raise_for_status)
+            t0 = time.monotonic()
+            received = gaps = 0
+            async with asyncio.timeout(300):
+                while True:
+                    msg = json.loads(await ws.recv())
+                    if "gap" in msg:
+                        gaps += 1
+                        continue
+                    received += 1
+                    if msg.get("line", "").startswith("FLOOD_DONE "):
+                        break
+            latency = time.monotonic() - t0
+        c.post(f"/instances/{iid}/stop").raise_for_status()
+    return latency, received, gaps
+
+
+def spread(values: list[float], fmt: str = "{:.1f}") -> str:
+    return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
 
 
 def main() -> int:
@@ -117,52 +163,66 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=200_000)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flood-") as d:
         tmp = Path(d)
-        alone_runs = [alone(args.lines, tmp) for _ in range(args.runs)]
-        host_runs = []
+        server_bin = make_server_bin(tmp, args.lines)
+        model = write_tiny_gguf(tmp / "tiny.gguf")
+        alone_runs: list[float] = []
+        host_runs: list[tuple[float, bool, bool, float]] = []
         with HostProc(
-            tmp / "host", backend="script", env={"LOG_BUFFER_SIZE": str(args.lines + 1000)}
+            tmp / "host",
+            backend="real",
+            env={"LLAMA_SERVER_BIN": str(server_bin), "LOG_LEVEL": "warning"},
         ) as host:
-            host.start()
-            model = tmp / "m.gguf"
-            model.write_bytes(b"x")
+            host.start(timeout=60)
             with host.client() as c:
                 r = c.post(
                     "/instances",
                     json={
                         "config": {
+                            "backend_type": "llamacpp",
                             "alias": "flood",
                             "model": str(model),
                             "host": "127.0.0.1",
-                            "fake_args": ["--flood-after-ready", str(args.lines)],
                         }
                     },
                 )
                 r.raise_for_status()
                 iid = r.json()["instance"]["id"]
             for _ in range(args.runs):
-                host_runs.append(asyncio.run(under_host(host, iid, args.lines, False)))
-            ws_runs = [
-                asyncio.run(under_host(host, iid, args.lines, True)) for _ in range(args.runs)
-            ]
-            files = sorted((tmp / "host" / "logs").glob("*.log"))
-            in_file = files[-1].read_text("utf-8", "replace").count("flood line ") if files else 0
-    a = statistics.median(alone_runs)
-    h = statistics.median(r[0] for r in host_runs)
-    ws = statistics.median(r[1] for r in ws_runs)
-    ws_backend = statistics.median(r[0] for r in ws_runs)
-    print(f"{args.lines} lines, median of {args.runs} runs")
-    print(f"  backend alone, stdout to a file:      {a * 1000:8.1f} ms")
-    print(f"  backend under the host (its own time): {h * 1000:8.1f} ms")
-    print(f"  ratio under host / alone:              {h / a:8.3f}   (target <= 1.10; old ~90x)")
+                alone_runs.append(alone(server_bin, model, tmp))
+                host_runs.append(under_host(host, iid, args.lines))
+            ws = asyncio.run(ws_reader(host, iid))
+    load_after = os.getloadavg()
+    a = [x * 1000 for x in alone_runs]
+    h = [r[0] * 1000 for r in host_runs]
+    ratios = [hh / aa for hh, aa in zip(h, a, strict=True)]
     print(
-        f"  with a WS client reading every line (same 2 cores): backend {ws_backend * 1000:.1f} ms"
+        f"{args.lines} real llama-server log lines (~106 B each), {args.runs} alternating pairs; "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
     )
-    print(f"  start answered -> last line on the WS client:         {ws * 1000:8.1f} ms")
     print(
-        f"  seqs contiguous: {all(r[2] for r in host_runs + ws_runs)}; lines in ring: "
-        f"{host_runs[-1][3]}; lines in newest log file: {in_file}"
+        f"  under the host: median {statistics.median(h):8.1f} ms ({spread(h)})   "
+        f"alone, to a file: median {statistics.median(a):8.1f} ms ({spread(a)})"
+    )
+    print(
+        f"  ratio host / alone: median {statistics.median(ratios):.3f} "
+        f"(pairs: {', '.join(f'{x:.2f}' for x in ratios)})   [target <= 1.10; old release ~90x]"
+    )
+    cpu = [r[3] for r in host_runs]
+    print(
+        f"  host process CPU per flood (start call to last line read, includes the start): "
+        f"median {statistics.median(cpu):.2f} s ({spread(cpu, '{:.2f}')}), "
+        f"{statistics.median(cpu) / args.lines * 1e6:.1f} us per line"
+    )
+    print(
+        f"  every line read once, in order: {all(r[1] for r in host_runs)}; "
+        f"llama.cpp parser produced generation records: {all(r[2] for r in host_runs)}"
+    )
+    print(
+        f"  a WS client streaming the flood: FLOOD_DONE {ws[0] * 1000:.0f} ms after start "
+        f"answered; {ws[1]} lines received, {ws[2]} gap markers (ring of 1000 lines)"
     )
     return 0
 

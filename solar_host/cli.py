@@ -1,31 +1,38 @@
 """The `solar-host` command: serve (the default) and client subcommands against a running host.
 
     solar-host [--host H] [--port P] [--env-file F]      serve (also: solar-host serve ...)
+    solar-host --version
     solar-host status | instances | models
-    solar-host start ID | stop ID
-    solar-host logs ID [--follow] [--tail N]
+    solar-host create --backend-type T --model M --alias A [...] | create --file F.json
+    solar-host start I | stop I | restart I | delete I
+    solar-host logs I [--follow] [--tail N]
     solar-host pull URI [--backend-type T] [--harbor-ref REF] [--filter GLOB ...]
+    solar-host jobs [list] | jobs show J | jobs cancel J | jobs logs J [--step S]
 
-Client commands find the host at --url, else SOLAR_HOST_URL (environment, then the env file),
-else http://127.0.0.1:$PORT; the key is --api-key, else API_KEY, else the key the host generated
+An instance I is named by its alias, its id, or a unique prefix of its id. Client commands
+find the host at --url, else SOLAR_HOST_URL (environment, then the env file), else
+http://127.0.0.1:$PORT; the key is --api-key, else API_KEY, else the key the host generated
 beside CONFIG_FILE. Output is a table (or --json for scripts); errors go to stderr.
 
-Exit codes: 0 ok, 1 the operation failed, 2 usage or configuration error, 3 host unreachable,
-4 the host refused the key.
+Exit codes: 0 ok, 1 the operation failed (or no instance has that name), 2 usage or
+configuration error (or the name is ambiguous), 3 host unreachable, 4 the host refused the key.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from solar_host.cli_format import human_bytes, print_json, table
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -33,10 +40,37 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_AUTH = 4
 
-CLIENT_COMMANDS = ("status", "instances", "start", "stop", "logs", "pull", "models")
+INSTANCE_HELP = "alias, id or unique id prefix"
 
 
-# --- argument parsing -----------------------------------------------------------------------
+# --- commands: one entry each ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClientCommand:
+    """A subcommand that talks to a running host: `run(client, args)`.
+
+    Adding one is one entry in CLIENT_COMMANDS (bottom of the file): it gets the connection
+    options, --json, and the exit codes of run_client.
+    """
+
+    name: str
+    help: str
+    run: Callable[[Any, argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+
+
+@dataclass(frozen=True)
+class LocalCommand:
+    """A subcommand that works on this machine without a running host: `run(args)`.
+
+    Adding one is one entry in LOCAL_COMMANDS (bottom of the file); `serve` is the default.
+    """
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
 
 
 def _client_options() -> argparse.ArgumentParser:
@@ -61,67 +95,56 @@ def _client_options() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from solar_host import __version__
+
     p = argparse.ArgumentParser(
         prog="solar-host",
         description="solar-host agent: serve (default), or talk to a running host.",
-        epilog="Exit codes: 0 ok, 1 operation failed, 2 usage or config error, "
+        epilog="Instances are named by alias, id or unique id prefix. Exit codes: 0 ok, "
+        "1 operation failed or no such instance, 2 usage or config error or ambiguous name, "
         "3 host unreachable, 4 API key refused.",
     )
+    p.add_argument("--version", action="version", version=f"solar-host {__version__}")
     p.add_argument("--host", help="bind address (overrides HOST)")
     p.add_argument("--port", type=int, help="port (overrides PORT)")
     p.add_argument("--env-file", default=".env", help="settings file (default: ./.env)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for local in LOCAL_COMMANDS:
+        sp = sub.add_parser(local.name, help=local.help)
+        if local.arguments is not None:
+            local.arguments(sp)
     opts = _client_options()
-
-    serve_p = sub.add_parser("serve", help="run the host (the default)")
-    serve_p.add_argument("--host", default=argparse.SUPPRESS, help="bind address")
-    serve_p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port")
-    serve_p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
-
-    sub.add_parser("status", parents=[opts], help="host health, version and instance counts")
-    sub.add_parser("instances", parents=[opts], help="list instances")
-    for name, what in (
-        ("start", "start an instance (waits until ready)"),
-        ("stop", "stop an instance"),
-    ):
-        sp = sub.add_parser(name, parents=[opts], help=what)
-        sp.add_argument("instance_id", metavar="ID")
-    lp = sub.add_parser("logs", parents=[opts], help="an instance's log lines")
-    lp.add_argument("instance_id", metavar="ID")
-    lp.add_argument("-f", "--follow", action="store_true", help="keep streaming new lines")
-    lp.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
-    pp = sub.add_parser("pull", parents=[opts], help="download a model into MODELS_DIR")
-    pp.add_argument("uri", metavar="URI", help="huggingface://ORG/MODEL or repo://NAME:VERSION")
-    pp.add_argument("--backend-type", help="backend the model is for (llamacpp, sglang, ...)")
-    pp.add_argument(
-        "--harbor-ref", help="OCI reference for repo:// URIs, e.g. project/name:version"
-    )
-    pp.add_argument(
-        "--filter",
-        dest="file_filters",
-        action="append",
-        help="only files matching this glob (repeatable)",
-    )
-    sub.add_parser("models", parents=[opts], help="list pulled models")
-    hp = sub.add_parser(
-        "handover",
-        help="restart the host leaving its backends serving (the next host re-adopts them)",
-    )
-    hp.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
-    hp.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for the host to exit"
-    )
-    rp = sub.add_parser(
-        "restore-state",
-        help="replace damaged state files (config.json, jobs store, reservations, api_key) "
-        "by their last good copies (<file>.prev); the damaged ones are kept aside",
-    )
-    rp.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
-    rp.add_argument("--dry-run", action="store_true", help="only show what would be replaced")
+    for command in CLIENT_COMMANDS:
+        sp = sub.add_parser(command.name, parents=[opts], help=command.help)
+        if command.arguments is not None:
+            command.arguments(sp)
     from solar_host import doctor
 
     doctor.register(sub)  # subcommands that bring their own handler (args.handler)
     return p
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: `solar-host --port 1 serve` keeps the port given before the subcommand.
+    p.add_argument("--host", default=argparse.SUPPRESS, help="bind address")
+    p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port")
+    p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
+
+
+def _instance_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("instance", metavar="INSTANCE", help=INSTANCE_HELP)
+
+
+def _handover_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the host to exit"
+    )
+
+
+def _restore_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
+    p.add_argument("--dry-run", action="store_true", help="only show what would be replaced")
 
 
 # --- handover -----------------------------------------------------------------------------------
@@ -240,37 +263,25 @@ def resolve_connection(args: argparse.Namespace) -> tuple[str, str]:
 # --- output helpers ---------------------------------------------------------------------------
 
 
-def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, ensure_ascii=False, default=str))
-
-
-def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
-    cells = [[("" if v is None else str(v)) for v in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, v in enumerate(row):
-            widths[i] = max(widths[i], len(v))
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    for row in cells:
-        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _err(msg: str) -> None:
     print(f"solar-host: {msg}", file=sys.stderr)
 
 
-# --- client commands ------------------------------------------------------------------------
+def _warn_all(body: dict[str, Any]) -> None:
+    for w in body.get("warnings") or ():
+        print(f"solar-host: warning: {w}", file=sys.stderr)
+
+
+def _where(inst: dict[str, Any]) -> str:
+    return f" (port {inst.get('port')}, pid {inst.get('pid')})" if inst.get("pid") else ""
+
+
+def _label(inst: dict[str, Any]) -> str:
+    alias = (inst.get("config") or {}).get("alias")
+    return f"{inst.get('id')} ({alias})" if alias else str(inst.get("id"))
+
+
+# --- host and instances ------------------------------------------------------------------------
 
 
 def cmd_status(c: Any, args: argparse.Namespace) -> int:
@@ -325,18 +336,158 @@ def cmd_instances(c: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_lifecycle(action: str) -> Callable[[Any, argparse.Namespace], int]:
-    def run(c: Any, args: argparse.Namespace) -> int:
-        body = getattr(c, action)(args.instance_id)
-        inst = body.get("instance", {})
+# Flags of `create` -> config fields (the host validates every value and names bad fields).
+CREATE_FIELDS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--backend-type", "backend_type", str, "llamacpp, huggingface_causal, sglang, ..."),
+    ("--alias", "alias", str, "routing name of the model, e.g. qwen3:8b"),
+    ("--model", "model", str, "model file, directory or id"),
+    ("--model-file", "model_file", str, "file (or glob) inside a model directory"),
+    ("--model-source", "model_source", str, "a pulled model: huggingface://... or repo://..."),
+    ("--ctx-size", "ctx_size", int, "context size in tokens"),
+    ("--port", "port", int, "port the backend listens on (default: the next free one)"),
+    ("--bind-host", "host", str, "address the backend binds to (config field `host`)"),
+    ("--n-gpu-layers", "n_gpu_layers", int, "layers offloaded to the GPU (llamacpp)"),
+    ("--threads", "threads", int, "CPU threads (llamacpp)"),
+    ("--model-type", "model_type", str, "llm, embedding or reranker (llamacpp)"),
+    ("--instance-api-key", "api_key", str, "a key the backend accepts besides the host's"),
+)
+
+
+def _create_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--file", help="instance JSON: a config object, or {config, priority, ...}; - for stdin"
+    )
+    for flag, dest, kind, what in CREATE_FIELDS:
+        metavar = flag.removeprefix("--").replace("-", "_").upper()
+        p.add_argument(flag, dest=f"cfg_{dest}", type=kind, metavar=metavar, help=what)
+    p.add_argument(
+        "--set",
+        dest="cfg_set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="any other config field (VALUE is JSON if it parses, else a string); repeatable",
+    )
+    p.add_argument("--priority", help="production (default), development or ephemeral")
+    p.add_argument("--start", action="store_true", help="start it once created")
+
+
+def create_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The POST /instances body from --file, then the flags (a flag wins over the file)."""
+    body: dict[str, Any] = {}
+    if args.file:
+        try:
+            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
+            loaded = json.loads(text)
+        except OSError as err:
+            raise UsageError(f"--file: cannot read {args.file}: {err.strerror or err}") from None
+        except ValueError as err:
+            raise UsageError(f"--file: {args.file} is not valid JSON: {err}") from None
+        if not isinstance(loaded, dict):
+            raise UsageError("--file: a JSON object is required")
+        body = dict(loaded) if isinstance(loaded.get("config"), dict) else {"config": loaded}
+    config: dict[str, Any] = dict(body.get("config") or {})
+    for item in args.cfg_set:
+        name, sep, raw = item.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        config[name.strip()] = value
+    for _, dest, _, _ in CREATE_FIELDS:
+        value = getattr(args, f"cfg_{dest}")
+        if value is not None:
+            config[dest] = value
+    if not config.get("backend_type"):
+        raise UsageError("create needs --backend-type (or a config with backend_type in --file)")
+    body["config"] = config
+    if args.priority:
+        body["priority"] = args.priority
+    return body
+
+
+def cmd_create(c: Any, args: argparse.Namespace) -> int:
+    body = create_body(args)
+    created = c.create(body)
+    _warn_all(created)
+    inst = created.get("instance", {})
+    if not args.start:
         if args.json:
-            print_json(body)
-            return EXIT_OK
-        where = f" (port {inst.get('port')}, pid {inst.get('pid')})" if inst.get("pid") else ""
-        print(f"{inst.get('id', args.instance_id)}: {inst.get('status')}{where}")
+            print_json(created)
+        else:
+            print(f"created {_label(inst)}")
         return EXIT_OK
+    if not args.json:
+        print(f"created {_label(inst)}")
+    return _lifecycle_with_phases(c, args, inst, "start", created=created)
+
+
+def cmd_delete(c: Any, args: argparse.Namespace) -> int:
+    inst = c.find_instance(args.instance)
+    body = c.delete(inst["id"])
+    if args.json:
+        print_json(body)
+    else:
+        print(f"deleted {_label(inst)}")
+    return EXIT_OK
+
+
+def cmd_stop(c: Any, args: argparse.Namespace) -> int:
+    inst = c.find_instance(args.instance)
+    body = c.stop(inst["id"])
+    if args.json:
+        print_json(body)
+        return EXIT_OK
+    inst = body.get("instance", inst)
+    print(f"{inst.get('id')}: {inst.get('status')}{_where(inst)}")
+    return EXIT_OK
+
+
+def _lifecycle_with_phases(
+    c: Any,
+    args: argparse.Namespace,
+    inst: dict[str, Any],
+    action: str,
+    created: dict[str, Any] | None = None,
+) -> int:
+    from solar_host.cli_phases import PhaseLog, run_with_phases
+
+    stream = None if args.json else sys.stdout
+    log = PhaseLog(stream, live=bool(stream is not None and stream.isatty()))
+    body = asyncio.run(run_with_phases(c, inst["id"], action, log))
+    elapsed = log.elapsed()
+    ready = next((p.at_s for p in log.phases if p.text == "ready"), None)
+    if args.json:
+        doc = {**body, "phases": [p.as_dict() for p in log.phases], "elapsed_s": round(elapsed, 3)}
+        if created is not None:
+            doc["warnings"] = created.get("warnings") or []
+        print_json(doc)
+        return EXIT_OK
+    after = body.get("instance", inst)
+    if log.spawned:
+        how = f", ready in {ready if ready is not None else elapsed:.1f} s"
+    else:
+        how = " (already running)" if action == "start" else ""
+    print(f"{after.get('id')}: {after.get('status')}{_where(after)}{how}", flush=True)
+    return EXIT_OK
+
+
+def _cmd_with_phases(action: str) -> Callable[[Any, argparse.Namespace], int]:
+    def run(c: Any, args: argparse.Namespace) -> int:
+        return _lifecycle_with_phases(c, args, c.find_instance(args.instance), action)
 
     return run
+
+
+# --- logs ------------------------------------------------------------------------------------
+
+
+def _logs_arguments(p: argparse.ArgumentParser) -> None:
+    _instance_arg(p)
+    p.add_argument("-f", "--follow", action="store_true", help="keep streaming new lines")
+    p.add_argument("-n", "--tail", type=int, default=None, help="only the last N lines")
 
 
 def _print_entry(entry: dict[str, Any], as_json: bool) -> None:
@@ -357,7 +508,8 @@ def _print_entry(entry: dict[str, Any], as_json: bool) -> None:
 def cmd_logs(c: Any, args: argparse.Namespace) -> int:
     if args.tail is not None and args.tail < 0:
         raise UsageError("--tail must be 0 or more")
-    everything = c.logs(args.instance_id)  # also checks the key and that the instance exists
+    iid = c.find_instance(args.instance)["id"]
+    everything = c.logs(iid)
     entries = everything
     if args.tail is not None:
         entries = everything[-args.tail :] if args.tail else []
@@ -367,17 +519,29 @@ def cmd_logs(c: Any, args: argparse.Namespace) -> int:
         return EXIT_OK
     # Continue right after what was printed (or from the oldest line kept, if none was there).
     since = everything[-1]["seq"] + 1 if everything else None
-    import asyncio
 
     async def follow() -> None:
-        async for msg in c.follow_logs(args.instance_id, since_seq=since):
+        async for msg in c.follow_logs(iid, since_seq=since):
             _print_entry(msg, args.json)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(follow())
-    except KeyboardInterrupt:
-        pass
     return EXIT_OK
+
+
+# --- models ------------------------------------------------------------------------------------
+
+
+def _pull_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("uri", metavar="URI", help="huggingface://ORG/MODEL or repo://NAME:VERSION")
+    p.add_argument("--backend-type", help="backend the model is for (llamacpp, sglang, ...)")
+    p.add_argument("--harbor-ref", help="OCI reference for repo:// URIs, e.g. project/name:version")
+    p.add_argument(
+        "--filter",
+        dest="file_filters",
+        action="append",
+        help="only files matching this glob (repeatable)",
+    )
 
 
 def pull_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -404,100 +568,45 @@ def pull_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-SPINNER = "|/-\\"
+PULL_POLL_S = 0.25
 
 
-def read_pull_progress(metrics_text: str, uri: str) -> tuple[str | None, int | None, int | None]:
-    """(phase, bytes_done, bytes_total) of the running pull of `uri`, from GET /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+async def _pull_with_display(c: Any, body: dict[str, Any], display: Any) -> dict[str, Any]:
+    """POST the pull; meanwhile poll GET /metrics for its progress and feed the display."""
+    from solar_host.cli_pull import read_pull_progress
+    from solar_host.cli_threads import in_daemon_thread
+    from solar_host.client import ClientError, HostClient
 
-    phase = done = total = None
-    for fam in text_string_to_metric_families(metrics_text):
-        for s in fam.samples:
-            if s.labels.get("source_uri") != uri:
-                continue
-            if s.name == "solar_host_model_pull_progress_bytes":
-                phase, done = s.labels.get("phase"), int(s.value)
-            elif s.name == "solar_host_model_pull_expected_bytes":
-                total = int(s.value)
-    return phase, done, total
-
-
-class PullProgressLine:
-    """A one-line live display on stderr: spinner, elapsed time, and the host's pull progress.
-
-    The host reports bytes every PULL_PROGRESS_INTERVAL_S through GET /metrics; between
-    reports only the spinner and the clock move. Without a terminal nothing is drawn.
-    """
-
-    def __init__(self, c: Any, uri: str, stream: Any = sys.stderr):
-        self.c = c
-        self.uri = uri
-        self.stream = stream
-        self.stop = threading.Event()
-        self.started = time.monotonic()
-        self.progress: tuple[str | None, int | None, int | None] = (None, None, None)
-        self.metrics_ok = True
-
-    def poll(self) -> None:
-        if not self.metrics_ok:
-            return
-        try:
-            self.progress = read_pull_progress(self.c.metrics_text(), self.uri)
-        except Exception:
-            self.metrics_ok = False  # an older host, or metrics off: spinner and clock only
-
-    def text(self, tick: int) -> str:
-        elapsed = time.monotonic() - self.started
-        phase, done, total = self.progress
-        parts = [f"{SPINNER[tick % len(SPINNER)]} pulling {self.uri}", f"{elapsed:5.0f} s"]
-        if phase:
-            parts.append(phase)
-        if done:
-            if total:
-                parts.append(f"{human_bytes(done)} / {human_bytes(total)} ({done / total:.0%})")
-            else:
-                parts.append(human_bytes(done))
-        return "  ".join(parts)
-
-    def run(self) -> None:
-        tick = 0
-        next_poll = 0.0
-        while not self.stop.is_set():
-            now = time.monotonic()
-            if now >= next_poll:
-                self.poll()
-                next_poll = now + 1.0
-            self.stream.write("\r\x1b[K" + self.text(tick))
-            self.stream.flush()
-            tick += 1
-            self.stop.wait(0.2)
-        self.stream.write("\r\x1b[K")
-        self.stream.flush()
+    puller = HostClient(c.url, c.api_key, timeout=c.timeout)
+    task = asyncio.ensure_future(in_daemon_thread(puller.pull, body))
+    ok = False
+    try:
+        while not task.done():
+            try:
+                text = await asyncio.to_thread(c.metrics_text)
+            except ClientError:
+                text = None  # metrics off or refused: the bar shows the clock only
+            if text is not None:
+                display.update(*read_pull_progress(text, body["source_uri"]))
+            await asyncio.wait({task}, timeout=PULL_POLL_S)
+        result = task.result()
+        ok = True
+        return result
+    finally:
+        display.close(ok)
+        puller.close()
 
 
 def cmd_pull(c: Any, args: argparse.Namespace) -> int:
-    body = pull_body(args)
-    display = None
-    thread = None
-    if sys.stderr.isatty() and not args.json:
-        from solar_host.client import HostClient
+    from solar_host.cli_pull import pull_display
 
-        poller = HostClient(c.url, c.api_key, timeout=c.timeout)
-        display = PullProgressLine(poller, body["source_uri"])
-        thread = threading.Thread(target=display.run, daemon=True)
-        thread.start()
+    body = pull_body(args)
     started = time.monotonic()
-    try:
-        result = c.pull(body)
-    finally:
-        if display is not None and thread is not None:
-            display.stop.set()
-            thread.join(timeout=2)
-            display.c.close()
     if args.json:
+        result = c.pull(body)
         print_json(result)
         return EXIT_OK
+    result = asyncio.run(_pull_with_display(c, body, pull_display(body["source_uri"], sys.stdout)))
     how = "already present" if result.get("cached") else f"in {time.monotonic() - started:.0f} s"
     print(f"{result.get('source_uri')}: {result.get('path')} ({how})")
     return EXIT_OK
@@ -519,34 +628,181 @@ def cmd_models(c: Any, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS: dict[str, Callable[[Any, argparse.Namespace], int]] = {
-    "status": cmd_status,
-    "instances": cmd_instances,
-    "start": _cmd_lifecycle("start"),
-    "stop": _cmd_lifecycle("stop"),
-    "logs": cmd_logs,
-    "pull": cmd_pull,
-    "models": cmd_models,
-}
+# --- jobs ------------------------------------------------------------------------------------
+
+
+def _jobs_arguments(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="jobs_action", metavar="ACTION")
+    opts = _client_options()
+    actions.add_parser("list", parents=[opts], help="list jobs (the default)")
+    for name, what in (("show", "one job's state and steps"), ("cancel", "cancel a job")):
+        ap = actions.add_parser(name, parents=[opts], help=what)
+        ap.add_argument("job_id", metavar="JOB")
+    lp = actions.add_parser("logs", parents=[opts], help="recent log lines of a job's steps")
+    lp.add_argument("job_id", metavar="JOB")
+    lp.add_argument("--step", help="only this step")
+
+
+def cmd_jobs(c: Any, args: argparse.Namespace) -> int:
+    action = getattr(args, "jobs_action", None) or "list"
+    if action == "list":
+        jobs = c.jobs()
+        if args.json:
+            print_json(jobs)
+        elif not jobs:
+            print("no jobs")
+        else:
+            rows = [
+                (
+                    j.get("job_id"),
+                    j.get("status"),
+                    _current_step(j),
+                    j.get("created_at"),
+                    j.get("error_message") or "",
+                )
+                for j in jobs
+            ]
+            print(table(rows, ("JOB", "STATUS", "STEP", "CREATED", "ERROR")))
+        return EXIT_OK
+    if action == "cancel":
+        body = c.cancel_job(args.job_id)
+        if args.json:
+            print_json(body)
+        else:
+            print(f"{args.job_id}: cancelled")
+        return EXIT_OK
+    job = c.job(args.job_id)
+    if action == "show":
+        _show_job(job, args.json)
+        return EXIT_OK
+    steps = job.get("steps") or []
+    if args.step:
+        steps = [s for s in steps if s.get("name") == args.step]
+        if not steps:
+            names = ", ".join(s.get("name", "?") for s in job.get("steps") or ()) or "none"
+            raise UsageError(f"job {args.job_id} has no step {args.step!r} (steps: {names})")
+    for step in steps:
+        for e in step.get("recent_logs") or ():
+            if args.json:
+                print(json.dumps({"step": step.get("name"), **e}, ensure_ascii=False))
+            elif not e.get("completed"):
+                prefix = f"[{step.get('name')}] " if len(steps) > 1 else ""
+                print(f"{prefix}{e.get('line', '')}", file=_stream(e))
+    if not args.json:
+        for step in steps:
+            print(f"(full log of {step.get('name')}: {step.get('log_file')})", file=sys.stderr)
+    return EXIT_OK
+
+
+def _stream(entry: dict[str, Any]) -> Any:
+    return sys.stderr if entry.get("stream") == "stderr" else sys.stdout
+
+
+def _current_step(job: dict[str, Any]) -> str:
+    steps = job.get("steps") or []
+    i = job.get("current_step_index", -1)
+    if isinstance(i, int) and 0 <= i < len(steps):
+        return f"{i + 1}/{len(steps)} {steps[i].get('name')}"
+    return f"-/{len(steps)}"
+
+
+def _show_job(job: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print_json(job)
+        return
+    print(f"job        {job.get('job_id')} ({job.get('name')})")
+    print(f"status     {job.get('status')}")
+    if job.get("error_message"):
+        print(f"error      {job['error_message']}")
+    print(f"created    {job.get('created_at')}")
+    print(f"workspace  {job.get('workspace_path')}")
+    rows = [
+        (s.get("name"), s.get("status"), s.get("exit_code"), s.get("duration_s"))
+        for s in job.get("steps") or ()
+    ]
+    if rows:
+        print()
+        print(table(rows, ("STEP", "STATUS", "EXIT", "SECONDS")))
+
+
+# --- registry and dispatch --------------------------------------------------------------------
+
+LOCAL_COMMANDS: tuple[LocalCommand, ...] = (
+    LocalCommand("serve", "run the host (the default)", serve, _serve_arguments),
+    LocalCommand(
+        "handover",
+        "restart the host leaving its backends serving (the next host re-adopts them)",
+        handover,
+        _handover_arguments,
+    ),
+    LocalCommand(
+        "restore-state",
+        "replace damaged state files (config.json, jobs store, reservations, api_key) by their "
+        "last good copies (<file>.prev); the damaged ones are kept aside",
+        restore_state,
+        _restore_arguments,
+    ),
+)
+
+CLIENT_COMMANDS: tuple[ClientCommand, ...] = (
+    ClientCommand("status", "host health, version and instance counts", cmd_status),
+    ClientCommand("instances", "list instances", cmd_instances),
+    ClientCommand(
+        "create", "create an instance (flags or --file JSON)", cmd_create, _create_arguments
+    ),
+    ClientCommand(
+        "start",
+        "start an instance; shows its phases until ready",
+        _cmd_with_phases("start"),
+        _instance_arg,
+    ),
+    ClientCommand("stop", "stop an instance", cmd_stop, _instance_arg),
+    ClientCommand(
+        "restart",
+        "restart an instance; shows its phases until ready",
+        _cmd_with_phases("restart"),
+        _instance_arg,
+    ),
+    ClientCommand("delete", "delete an instance (stops it first)", cmd_delete, _instance_arg),
+    ClientCommand("logs", "an instance's log lines", cmd_logs, _logs_arguments),
+    ClientCommand("pull", "download a model into MODELS_DIR", cmd_pull, _pull_arguments),
+    ClientCommand("models", "list pulled models", cmd_models),
+    ClientCommand("jobs", "list, show, cancel jobs and read their logs", cmd_jobs, _jobs_arguments),
+)
 
 
 def run_client(args: argparse.Namespace) -> int:
     from solar_host.client import (
+        AmbiguousInstance,
         AuthFailed,
         ConfigError,
         HostClient,
         HostUnreachable,
+        NoSuchInstance,
         OperationFailed,
     )
 
     args.json = getattr(args, "json", False)
+    commands = {command.name: command for command in CLIENT_COMMANDS}
     try:
         url, key = resolve_connection(args)
         with HostClient(url, key, timeout=getattr(args, "timeout", 10.0)) as c:
-            return COMMANDS[args.command](c, args)
+            return commands[args.command].run(c, args)
     except (UsageError, ConfigError) as err:
         _err(str(err))
         return EXIT_USAGE
+    except AmbiguousInstance as err:
+        if args.json:
+            print_json(
+                {"error": "ambiguous", "ref": err.ref, "matches": [i["id"] for i in err.matches]}
+            )
+        _err(str(err))
+        return EXIT_USAGE
+    except NoSuchInstance as err:
+        if args.json:
+            print_json({"error": "not_found", "ref": err.ref, "detail": str(err)})
+        _err(str(err))
+        return EXIT_FAILED
     except HostUnreachable as err:
         _err(str(err))
         return EXIT_UNREACHABLE
@@ -571,10 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "handler", None) is not None:
         return int(args.handler(args))
-    if args.command in (None, "serve"):
+    if args.command is None:
         return serve(args)
-    if args.command == "handover":
-        return handover(args)
-    if args.command == "restore-state":
-        return restore_state(args)
+    for local in LOCAL_COMMANDS:
+        if local.name == args.command:
+            return local.run(args)
     return run_client(args)

@@ -31,6 +31,54 @@ class AuthFailed(ClientError):
     pass
 
 
+class NoSuchInstance(ClientError):
+    """No instance has this alias, id or id prefix (nothing was asked of the host)."""
+
+    def __init__(self, ref: str):
+        self.ref = ref
+        super().__init__(
+            f"no instance matches {ref!r} (by alias, id or id prefix); "
+            "`solar-host instances` lists them"
+        )
+
+
+class AmbiguousInstance(ClientError):
+    """Several instances match a reference; `matches` are their instance records."""
+
+    def __init__(self, ref: str, matches: list[dict[str, Any]]):
+        self.ref = ref
+        self.matches = matches
+        lines = [f"{ref!r} matches {len(matches)} instances; name one by its id:"]
+        for inst in matches:
+            alias = (inst.get("config") or {}).get("alias")
+            lines.append(f"  {inst.get('id')}  {alias}  {inst.get('status')}")
+        super().__init__("\n".join(lines))
+
+
+def resolve_instance(instances: list[dict[str, Any]], ref: str) -> dict[str, Any]:
+    """The one instance `ref` names: its exact id, else its alias, else a unique id prefix.
+
+    An exact id always wins (an alias can look like an id prefix); an alias shared by several
+    instances, or a prefix of several ids, is ambiguous rather than a guess.
+    """
+    ref = ref.strip()
+    if not ref:
+        raise NoSuchInstance(ref)
+    for inst in instances:
+        if inst.get("id") == ref:
+            return inst
+    for pick in (
+        lambda i: (i.get("config") or {}).get("alias") == ref,
+        lambda i: str(i.get("id", "")).startswith(ref),
+    ):
+        found = [i for i in instances if pick(i)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise AmbiguousInstance(ref, found)
+    raise NoSuchInstance(ref)
+
+
 class OperationFailed(ClientError):
     """The host answered with an error; `body` is its JSON body (or {"detail": text})."""
 
@@ -131,6 +179,17 @@ class HostClient:
     def instance(self, instance_id: str) -> dict[str, Any]:
         return self.get_json(f"/instances/{quote(instance_id, safe='')}")
 
+    def find_instance(self, ref: str) -> dict[str, Any]:
+        """The instance named by alias, id or unique id prefix (see resolve_instance)."""
+        return resolve_instance(self.instances(), ref)
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", "/instances", json_body=body).json()
+
+    def delete(self, instance_id: str) -> dict[str, Any]:
+        path = f"/instances/{quote(instance_id, safe='')}"
+        return self.request("DELETE", path, read_timeout=None).json()
+
     def start(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}/start"
         return self.request("POST", path, read_timeout=None).json()
@@ -138,6 +197,19 @@ class HostClient:
     def stop(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}/stop"
         return self.request("POST", path, read_timeout=None).json()
+
+    def restart(self, instance_id: str) -> dict[str, Any]:
+        path = f"/instances/{quote(instance_id, safe='')}/restart"
+        return self.request("POST", path, read_timeout=None).json()
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.get_json("/jobs")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.get_json(f"/jobs/{quote(job_id, safe='')}")
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/jobs/{quote(job_id, safe='')}", read_timeout=None).json()
 
     def logs(self, instance_id: str) -> list[dict[str, Any]]:
         return self.get_json(f"/instances/{quote(instance_id, safe='')}/logs")
@@ -163,11 +235,28 @@ class HostClient:
     ) -> AsyncIterator[dict[str, Any]]:
         """Messages of WS /instances/{id}/logs: {seq, timestamp, line} or {gap: {...}}.
 
-        Ends when the host closes the stream (the instance was deleted). The key goes in the
-        X-API-Key header, never in the URL (URLs end up in logs).
+        Ends when the host closes the stream (the instance was deleted).
         """
-        path = f"/instances/{quote(instance_id, safe='')}/logs"
-        url = self.ws_url(path) + (f"?since_seq={since_seq}" if since_seq is not None else "")
+        query = f"?since_seq={since_seq}" if since_seq is not None else ""
+        async for msg in self._follow(f"/instances/{quote(instance_id, safe='')}/logs", query):
+            if isinstance(msg, dict) and "error" in msg and "seq" not in msg:
+                raise OperationFailed(404, {"detail": msg["error"]})
+            yield msg
+
+    async def follow_state(self, instance_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Messages of WS /instances/{id}/state: `instance_state` (runtime) and
+        `instance_status` (lifecycle: starting, spawned, ready, failed, ...)."""
+        async for msg in self._follow(f"/instances/{quote(instance_id, safe='')}/state", ""):
+            if isinstance(msg, dict) and "error" in msg and "type" not in msg:
+                raise OperationFailed(404, {"detail": msg["error"]})
+            yield msg
+
+    async def _follow(self, path: str, query: str) -> AsyncIterator[Any]:
+        """JSON messages of one WebSocket stream until the host closes it.
+
+        The key goes in the X-API-Key header, never in the URL (URLs end up in logs).
+        """
+        url = self.ws_url(path) + query
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
         try:
             ws_cm = _ws_connect(url, headers, self.timeout)
@@ -178,10 +267,7 @@ class HostClient:
                     except Exception as err:
                         _raise_for_close(err, self.url)
                         return
-                    msg = json.loads(raw)
-                    if isinstance(msg, dict) and "error" in msg and "seq" not in msg:
-                        raise OperationFailed(404, {"detail": msg["error"]})
-                    yield msg
+                    yield json.loads(raw)
         except (OSError, TimeoutError) as err:
             raise HostUnreachable(f"cannot reach {self.url}: {err}") from None
         except ClientError:
@@ -193,8 +279,8 @@ class HostClient:
             if status == 401:
                 raise AuthFailed(f"{self.url} refused the API key") from None
             if status is not None:
-                raise OperationFailed(status, {"detail": f"log stream refused: {err}"}) from None
-            raise HostUnreachable(f"log stream from {self.url} failed: {err}") from None
+                raise OperationFailed(status, {"detail": f"stream refused: {err}"}) from None
+            raise HostUnreachable(f"stream from {self.url} failed: {err}") from None
 
 
 def _ws_connect(url: str, headers: dict[str, str], timeout: float) -> Any:
@@ -220,5 +306,5 @@ def _raise_for_close(err: Exception, url: str) -> None:
     if code in (1000, 1001, None) and type(err).__name__.startswith("ConnectionClosed"):
         return
     if type(err).__name__.startswith("ConnectionClosed"):
-        raise HostUnreachable(f"log stream from {url} closed: {err}") from None
+        raise HostUnreachable(f"stream from {url} closed: {err}") from None
     raise err

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import pty
+import re
 import signal
 import sys
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 import pytest
 
 from solar_host.backends.registry import BackendRegistry
-from solar_host.cli import PullProgressLine, read_pull_progress
+from solar_host.cli_pull import PlainPullLines, read_pull_progress
 from solar_host.client import HostClient
 from solar_host.events import PullProgress
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
+from tests.fixtures.registry import Registry, StallProxy
 from tests.fixtures.script_backend import ScriptBackend, script_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,10 +101,11 @@ async def test_commands_and_exit_codes(tmp_path: Path) -> None:
         assert f"{iid}: running" in start[1]
         assert bad_key[0] == 4 and "refused the API key" in bad_key[2]
         assert unreachable[0] == 3 and "cannot reach" in unreachable[2]
-        assert unknown[0] == 1 and "Instance not found" in unknown[2]
+        # instances are looked up by alias, id or id prefix before the host is asked
+        assert unknown[0] == 1 and "no instance matches 'no-such-instance'" in unknown[2]
         assert unknown_j[0] == 1
-        assert json.loads(unknown_j[1]) == {"status_code": 404, "detail": "Instance not found"}
-        assert no_id[0] == 2 and "ID" in no_id[2]
+        assert json.loads(unknown_j[1])["error"] == "not_found"
+        assert no_id[0] == 2 and "INSTANCE" in no_id[2]
         assert bad_uri[0] == 2 and "huggingface://" in bad_uri[2]
 
         # the human table and the log lines, then stop
@@ -200,102 +203,196 @@ async def test_logs_follow_streams_over_the_websocket(tmp_path: Path) -> None:
                 await proc.wait()
 
 
-async def test_pull_with_live_progress_on_a_terminal(tmp_path: Path) -> None:
-    hub_root = tmp_path / "hub"
-    (hub_root / "acme" / "big").mkdir(parents=True)
-    (hub_root / "acme" / "big" / "weights.bin").write_bytes(os.urandom(1_000_000))
-    hub = FakeHub(hub_root).start()
-    hub.bytes_per_s = 400_000
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory):
+    r = Registry(tmp_path_factory.mktemp("reg")).start()
+    yield r
+    r.stop()
+
+
+def _push(registry: Registry, tmp_path: Path, ref: str, size: int) -> None:
+    art = tmp_path / "art" / ref.replace("/", "_").replace(":", "_")
+    art.mkdir(parents=True)
+    (art / "model.gguf").write_bytes(os.urandom(size))
+    registry.push(ref, [Path("model.gguf")], art)
+
+
+def _pty_with_size(cols: int = 160, rows: int = 40) -> tuple[int, int]:
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    return master, slave
+
+
+async def test_pull_shows_a_progress_bar_on_a_terminal_and_lines_elsewhere(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """A slow link (a relay at 400 KB/s) to a real OCI registry: the size is known from the
+    manifest, so the bar shows bytes of the size, the rate and an ETA; without a terminal, one
+    line per 10%."""
+    _push(registry, tmp_path, "proj/bar:v1", 1_200_000)
+    _push(registry, tmp_path, "proj/lines:v1", 1_200_000)
+    proxy = StallProxy(registry.host)
+    proxy.bytes_per_s = 400_000
     try:
         settings = host_settings(
-            tmp_path, hf_endpoint=hub.url, pull_progress_interval_s=0.1, min_free_disk_gb=0
+            tmp_path,
+            harbor_url=f"http://{proxy.host}",
+            harbor_username="u",
+            harbor_password="p",
+            pull_progress_interval_s=0.1,
+            min_free_disk_gb=0,
         )
         async with running_host(settings) as h:
-            uri = "huggingface://acme/big"
-            # stderr on a pseudo-terminal: the command draws its progress line there
-            master, slave = pty.openpty()
+            conn = ("--url", h.url, "--api-key", API_KEY)
+            # stdout on a pseudo-terminal: rich draws the bar there
+            master, slave = _pty_with_size()
             try:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
                     "solar_host",
                     "pull",
-                    uri,
-                    "--backend-type",
-                    "huggingface",
-                    "--url",
-                    h.url,
-                    "--api-key",
-                    API_KEY,
+                    "repo://bar:v1",
+                    "--harbor-ref",
+                    "proj/bar:v1",
+                    *conn,
                     cwd=tmp_path,
-                    env=cli_env(),
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=slave,
+                    env=cli_env(TERM="xterm-256color", COLUMNS="160"),
+                    stdout=slave,
+                    stderr=asyncio.subprocess.PIPE,
                 )
                 os.close(slave)
-                out = (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
-                drawn = _drain(master)
+                drawn_parts: list[str] = []
+                reader = asyncio.create_task(asyncio.to_thread(_drain, master, drawn_parts))
+                err = (await asyncio.wait_for(proc.communicate(), 90))[1].decode()
+                await asyncio.wait_for(reader, 10)
             finally:
                 os.close(master)
-            assert proc.returncode == 0, drawn
-            assert out.startswith(f"{uri}: ") and "hf--acme--big" in out
-            assert f"pulling {uri}" in drawn
-            # the phase comes from the host's /metrics (bytes too, where the source reports them
-            # during the download: the HF path counts a file when it is complete)
-            assert "resolving" in drawn or "downloading" in drawn, drawn
+            drawn = "".join(drawn_parts)
+            assert proc.returncode == 0, (drawn, err)
+            screen = _strip_ansi(drawn)
+            assert "pulling repo://bar:v1" in screen
+            assert "downloading" in screen
+            # size (binary units, of the known total), rate, ETA, and the bar redrawn in place
+            assert "/1.1 MiB" in screen, screen
+            assert "KiB/s" in screen, screen
+            assert re.search(r"ETA\s+\d+:\d\d:\d\d", screen), screen
+            partial = re.findall(r"(\d+\.\d) ?/1\.1 MiB", screen)
+            assert any(0 < float(x) < 1.1 for x in partial), screen
+            assert "\r" in drawn or "\x1b[" in drawn
+            assert "repo://bar:v1: " in screen and "(in " in screen
+
+            # not a terminal: plain lines, one per 10%, each with size, rate and ETA
+            rc, out, err = await cli(
+                "pull", "repo://lines:v1", "--harbor-ref", "proj/lines:v1", *conn, cwd=tmp_path
+            )
+            assert rc == 0, err
+            lines = out.splitlines()
+            progress = [ln for ln in lines if re.match(r"repo://lines:v1: +\d+% ", ln)]
+            pcts = [int(ln.split()[1].rstrip("%")) for ln in progress]
+            assert pcts == sorted(set(pcts)) and pcts[-1] == 100, out
+            assert len(pcts) >= 4, out  # several tenths at 400 KB/s, never two per tenth
+            assert all(" / 1.1 MiB" in ln for ln in progress)
+            assert any("KiB/s" in ln and "ETA " in ln for ln in progress), out
+            assert "\x1b" not in out and "\r" not in out
+            assert lines[-1].startswith("repo://lines:v1: ") and "(in " in lines[-1]
+
             # pulled again: already present, and --json for scripts
             rc, out, err = await cli(
-                "pull", uri, "--json", "--url", h.url, "--api-key", API_KEY, cwd=tmp_path
+                "pull",
+                "repo://lines:v1",
+                "--harbor-ref",
+                "proj/lines:v1",
+                "--json",
+                *conn,
+                cwd=tmp_path,
             )
             assert rc == 0, err
             assert json.loads(out)["cached"] is True
-            rc, out, _ = await cli("models", "--url", h.url, "--api-key", API_KEY, cwd=tmp_path)
+    finally:
+        proxy.close()
+
+
+async def test_pull_from_the_hub_without_a_size(tmp_path: Path) -> None:
+    """A source that does not announce the size: bytes and phases only, then the models table."""
+    hub_root = tmp_path / "hub"
+    (hub_root / "acme" / "big").mkdir(parents=True)
+    (hub_root / "acme" / "big" / "weights.bin").write_bytes(os.urandom(1_000_000))
+    hub = FakeHub(hub_root).start()
+    hub.bytes_per_s = 1_000_000
+    try:
+        settings = host_settings(
+            tmp_path, hf_endpoint=hub.url, pull_progress_interval_s=0.1, min_free_disk_gb=0
+        )
+        async with running_host(settings) as h:
+            uri = "huggingface://acme/big"
+            conn = ("--url", h.url, "--api-key", API_KEY)
+            rc, out, err = await cli(
+                "pull", uri, "--backend-type", "huggingface", *conn, cwd=tmp_path
+            )
+            assert rc == 0, err
+            lines = out.splitlines()
+            assert lines[-1].startswith(f"{uri}: ") and "hf--acme--big" in lines[-1]
+            assert any(
+                ln.startswith(f"{uri}: resolving") or ln.startswith(f"{uri}: downloading")
+                for ln in lines[:-1]
+            ), out
+            rc, out, _ = await cli("models", *conn, cwd=tmp_path)
             assert rc == 0 and "hf--acme--big" in out and "976.6 KiB" in out
     finally:
         hub.stop()
 
 
-def _drain(fd: int) -> str:
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def _drain(fd: int, into: list[str]) -> None:
+    """Read the terminal's output until the child's side is closed (EIO)."""
     chunks = []
-    with contextlib.suppress(OSError):  # EIO once the child's side is closed
+    with contextlib.suppress(OSError):
         while True:
             data = os.read(fd, 65536)
             if not data:
                 break
             chunks.append(data)
-    return b"".join(chunks).decode(errors="replace")
+    into.append(b"".join(chunks).decode(errors="replace"))
 
 
-async def test_progress_line_reads_the_hosts_metrics(tmp_path: Path) -> None:
-    """The display's text from a host's real /metrics while a pull reports progress."""
+async def test_plain_progress_lines_from_the_hosts_metrics(tmp_path: Path) -> None:
+    """The non-terminal display fed from a host's real /metrics while a pull reports progress."""
+    import io
+
     async with running_host(host_settings(tmp_path)) as h:
         uri = "repo://llama:v1/q4.gguf"
-        h.host.bus.publish(
-            PullProgress(
-                payload={
-                    "source_uri": uri,
-                    "phase": "downloading",
-                    "bytes_done": 3 * 1024**3,
-                    "bytes_total": 4 * 1024**3,
-                }
-            )
-        )
+        out = io.StringIO()
+        lines = PlainPullLines(uri, out)
         with HostClient(h.url, API_KEY) as c:
-            display = PullProgressLine(c, uri)
-            await asyncio.to_thread(display.poll)
-            assert display.metrics_ok
-            text = display.text(0)
-            assert f"pulling {uri}" in text and "3.0 GiB / 4.0 GiB (75%)" in text
-            # another pull's progress is not shown
-            assert read_pull_progress(
-                await asyncio.to_thread(c.metrics_text), "repo://other:v1"
-            ) == (None, None, None)
-        with HostClient(h.url, "wrong") as c:
-            display = PullProgressLine(c, uri)
-            await asyncio.to_thread(
-                display.poll
-            )  # metrics refused: spinner and clock only, no error
-            assert not display.metrics_ok and "pulling" in display.text(1)
+            for done in (1, 3, 3, 4):
+                h.host.bus.publish(
+                    PullProgress(
+                        payload={
+                            "source_uri": uri,
+                            "phase": "downloading",
+                            "bytes_done": done * 1024**3,
+                            "bytes_total": 4 * 1024**3,
+                        }
+                    )
+                )
+                text = await asyncio.to_thread(c.metrics_text)
+                lines.update(*read_pull_progress(text, uri))
+            # another pull's progress is not read
+            assert read_pull_progress(text, "repo://other:v1") == (None, None, None)
+    shown = out.getvalue().splitlines()
+    assert [ln.split()[1] for ln in shown] == ["25%", "75%", "100%"]  # one line per new tenth
+    assert shown[1].startswith(f"{uri}:  75%  3.0 GiB / 4.0 GiB")
 
 
 async def test_serve_refuses_invalid_settings_in_one_line(tmp_path: Path) -> None:
@@ -323,3 +420,50 @@ async def test_log_stream_errors_map_to_exit_code_classes(tmp_path: Path) -> Non
     with HostClient(f"http://127.0.0.1:{free_port()}", API_KEY) as c:
         with pytest.raises(HostUnreachable):
             await drain(c, "nope")
+
+
+async def test_state_stream_carries_lifecycle_status(tmp_path: Path) -> None:
+    """WS /instances/{id}/state: after the runtime snapshot, an instance_status message at each
+    lifecycle step of a start and a stop, with pid and port once spawned."""
+    from websockets.asyncio.client import connect
+
+    reg = BackendRegistry([ScriptBackend()])
+    async with running_host(host_settings(tmp_path), backends=reg) as h:
+        r = await h.client.post("/instances", json={"config": model_cfg(tmp_path)})
+        iid = r.json()["instance"]["id"]
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/state"
+        async with connect(url, additional_headers={"X-API-Key": API_KEY}) as ws:
+            first = json.loads(await asyncio.wait_for(ws.recv(), 20))
+            assert first["type"] == "instance_state" and first["data"]["instance_id"] == iid
+            assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+            assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+            seen: list[dict[str, Any]] = []
+            while not seen or seen[-1]["reason"] != "stopped":
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                if msg["type"] == "instance_status":
+                    assert msg["timestamp"]
+                    seen.append(msg["data"])
+    reasons = [m["reason"] for m in seen]
+    assert reasons == ["starting", "spawned", "ready", "stopping", "stopped"], reasons
+    spawned = seen[1]
+    assert spawned["status"] == "starting" and spawned["pid"] > 0 and spawned["port"] > 0
+    assert seen[2]["status"] == "running" and seen[2]["pid"] == spawned["pid"]
+    assert seen[-1]["status"] == "stopped" and seen[-1]["pid"] is None
+
+
+@pytest.mark.parametrize(
+    ("line", "percent"),
+    [
+        ("Loading checkpoint shards:  50%|#####     | 1/2 [00:01<00:01,  1.2s/it]", 50.0),
+        # a tqdm bar redrawn with \r reaches the log as one line: its last state counts
+        ("Loading weights:   0%|    | 0/103 [00:00<?]\rLoading weights: 100%|####| 103/103", 100.0),
+        ("[2026-11-30 10:00:01] Loading safetensors checkpoint shards:  50% Completed | 1/2", 50.0),
+        ("Loading model with 90% of GPU memory reserved", None),  # no bar: not progress
+        ("load_tensors: offloaded 33/33 layers to GPU", None),
+        ("slot update_slots: id 0 | task 1 | prompt processing progress, progress = 0.5", None),
+    ],
+)
+def test_loading_progress_is_read_from_progress_bars_only(line: str, percent: float | None) -> None:
+    from solar_host.cli_phases import load_percent
+
+    assert load_percent(line) == percent

@@ -1,5 +1,9 @@
 """WebSocket streams of an instance's log lines and runtime state.
 
+The state stream carries two message types: `instance_state` (the runtime state parsed from
+the backend's log) and `instance_status` (its lifecycle: starting, spawned, ready, failed,
+stopping, stopped, with pid and port), so a client can show a start's phases as they happen.
+
 Each client reads the ring at its own pace: the host never waits for a client. A client that
 falls behind by more than the ring gets a gap marker and continues from the oldest line kept.
 """
@@ -98,20 +102,40 @@ async def stream_state(ws: WebSocket, instance_id: str) -> None:
     sup = await _accept(ws, manager, instance_id)
     if sup is None:
         return
-    from solar_host.events import RuntimeStateChanged
+    from solar_host.events import InstancesChanged, RuntimeStateChanged, iso_now
 
     queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=256)
 
-    def on_state(event: RuntimeStateChanged) -> None:  # type: ignore[override]
-        if event.instance_id != instance_id:
-            return
-        msg = {"type": "instance_state", "timestamp": event.timestamp, "data": event.state}
+    def put(msg: dict[str, Any]) -> None:
         if queue.full():  # a slow client only ever misses intermediate states
             with contextlib.suppress(asyncio.QueueEmpty):
                 queue.get_nowait()
         queue.put_nowait(msg)
 
-    unsubscribe = manager.bus.subscribe(on_state, RuntimeStateChanged)  # type: ignore[arg-type]
+    def on_state(event: RuntimeStateChanged) -> None:  # type: ignore[override]
+        if event.instance_id == instance_id:
+            put({"type": "instance_state", "timestamp": event.timestamp, "data": event.state})
+
+    def on_status(event: InstancesChanged) -> None:  # type: ignore[override]
+        if event.instance_id != instance_id or event.status is None:
+            return
+        # Published synchronously by set_status: the record already holds the new fields.
+        inst = sup.instance
+        data = {
+            "instance_id": instance_id,
+            "status": event.status,
+            "reason": event.reason,
+            "pid": inst.pid,
+            "port": inst.port,
+            "retry_count": inst.retry_count,
+            "error_message": inst.error_message,
+        }
+        put({"type": "instance_status", "timestamp": iso_now(), "data": data})
+
+    unsubscribes = [
+        manager.bus.subscribe(on_state, RuntimeStateChanged),  # type: ignore[arg-type]
+        manager.bus.subscribe(on_status, InstancesChanged),  # type: ignore[arg-type]
+    ]
     closed = asyncio.create_task(_wait_closed(ws))
     try:
         await _send_text(
@@ -127,7 +151,8 @@ async def stream_state(ws: WebSocket, instance_id: str) -> None:
     except (WebSocketDisconnect, TimeoutError, RuntimeError):
         pass
     finally:
-        unsubscribe()
+        for unsubscribe in unsubscribes:
+            unsubscribe()
         closed.cancel()
         with contextlib.suppress(Exception):
             await ws.close()
