@@ -63,6 +63,10 @@ class BackendConfigBase(BaseModel):
         default=None,
         description="An additional key the backend accepts (the host key always works).",
     )
+    skip_fit_check: bool = Field(
+        default=False,
+        description="Start even when the memory estimate exceeds what is free on its devices.",
+    )
 
     @field_validator("alias")
     @classmethod
