@@ -233,9 +233,16 @@ class CapacityGate:
             self._holds.pop(instance_id, None)
             self.placements.pop(instance_id, None)
 
-    def estimate_view(self, instance_id: str, config: Any) -> dict[str, Any]:
-        """The breakdown the estimate endpoints answer. Raises EstimateError."""
-        placement, avail, _ = self.place(instance_id, config)
+    def estimate_view(
+        self, instance_id: str, config: Any, *, placed: bool = False
+    ) -> dict[str, Any]:
+        """The breakdown the estimate endpoints answer. `placed`: the instance runs, so its
+        own placement is shown rather than where a start now would go. Raises EstimateError."""
+        placement = self.placements.get(instance_id) if placed else None
+        if placement is not None:
+            avail = self.available(self.devices(), instance_id)
+        else:
+            placement, avail, _ = self.place(instance_id, config)
         doc = placement.estimate.as_dict(avail)
         doc["placement"] = placement.device_names
         return doc
