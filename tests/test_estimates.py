@@ -207,3 +207,30 @@ def test_sglang_takes_its_static_fraction(tmp_path: Path) -> None:
     tiny = [Device("cuda:0", 0, 1024 * 1024, 1024 * 1024)]
     est = estimate_config(SglangConfig(alias="s", model_path=str(model)), tiny)
     assert est.refusal and "mem_fraction_static" in est.refusal
+
+
+def test_header_reader_agrees_with_gguf_reader(gguf_path: Path) -> None:
+    import gguf
+
+    from solar_host.estimates.gguf_header import read_header
+
+    meta, tensors = read_header(str(gguf_path))
+    reader = gguf.GGUFReader(str(gguf_path), "r")
+    assert {t.name: t.n_bytes for t in tensors} == {t.name: int(t.n_bytes) for t in reader.tensors}
+    assert set(meta) == {k for k in reader.fields if not k.startswith("GGUF.")}
+    assert meta["llama.block_count"] == 4 and meta["general.architecture"] == "llama"
+
+
+def test_large_vocabulary_is_read_fast(tmp_path: Path) -> None:
+    import time
+
+    shape = Shape(n_embd=32, n_layer=1, n_head=2, n_head_kv=1, n_ff=64, n_vocab_extra=60_000)
+    path = write_sized_gguf(tmp_path / "vocab.gguf", shape)
+    from solar_host.estimates.gguf import read_facts
+
+    read_facts(str(path))  # page the file in
+    t0 = time.perf_counter()
+    facts = read_facts(str(path))
+    elapsed = time.perf_counter() - t0
+    assert facts.n_vocab > 60_000
+    assert elapsed < 2.0  # gguf.GGUFReader takes tens of seconds on such a vocabulary

@@ -84,7 +84,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {name: write_sized_gguf(tmp / f"{name}.gguf", shape) for name, shape in SHAPES.items()}
 
 
-def run_and_measure(binary: str, config: LlamaCppConfig, log: Path) -> dict[str, float]:
+def run_once(binary: str, config: LlamaCppConfig, log: Path) -> tuple[str, int | None]:
+    """Run the host's command line until the compute buffer is logged; (log text, exit code)."""
     ctx = LaunchContext(
         instance_id="est", port=_free_port(), host_api_key="k", models_dir=log.parent,
         llama_server_bin=binary,
@@ -105,7 +106,7 @@ def run_and_measure(binary: str, config: LlamaCppConfig, log: Path) -> dict[str,
                 break
             time.sleep(0.05)
         time.sleep(0.2)  # the other devices' compute lines follow at once
-        text = log.read_text("utf-8", "replace")
+        return log.read_text("utf-8", "replace"), proc.poll()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -114,11 +115,21 @@ def run_and_measure(binary: str, config: LlamaCppConfig, log: Path) -> dict[str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    measured = parse_buffers(text)
+
+
+def run_and_measure(binary: str, config: LlamaCppConfig, log: Path) -> dict[str, float]:
+    for _ in range(3):
+        text, code = run_once(binary, config, log)
+        measured = parse_buffers(text)
+        if measured["model"] and measured["kv"] and measured["compute"]:
+            return measured
+        if code is None or code >= 0:
+            break
+        # The skulk build's CPU code dies now and then with SIGILL on CPUs without AVX-512,
+        # losing log lines its logging thread had not written yet: a crash, not a size.
     if not measured["model"] and "xllama" in binary:
         pytest.skip("this llama-server wrapper does not print buffer sizes")
-    assert measured["model"] and measured["kv"] and measured["compute"], text[-3000:]
-    return measured
+    raise AssertionError(f"buffer sizes missing (exit code {code}):\n{text[-3000:]}")
 
 
 @pytest.mark.parametrize(("shape", "ctx_size", "cache_type"), CASES)

@@ -1,4 +1,4 @@
-"""llama.cpp estimates from a GGUF header, read with the `gguf` library (no tensor data read).
+"""llama.cpp estimates from a GGUF header (gguf_header.py; no tensor data read).
 
 How llama-server lays memory out (checked against its own log lines, tests/test_estimates_real):
 
@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from solar_host.estimates.gguf_header import LongArray, read_header
 from solar_host.estimates.model import CPU, Device, DeviceEstimate, Estimate, EstimateError
 
 UBATCH = 512
@@ -74,23 +75,6 @@ class GgufFacts:
         return sum(self.block_bytes) + self.embd_bytes + self.output_bytes
 
 
-def _value(field: Any) -> Any:
-    """A field's value: a scalar, a string, or a list (gguf's ReaderField layout)."""
-    import gguf
-
-    types = field.types
-    if not types:
-        return None
-    if types[0] == gguf.GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    part = field.parts[field.data[0]]
-    if types[0] == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8", "replace")
-    return part.tolist()[0]
-
-
 def _per_layer(value: Any, n_layer: int, default: int) -> list[int]:
     if value is None:
         return [default] * n_layer
@@ -102,17 +86,13 @@ def _per_layer(value: Any, n_layer: int, default: int) -> list[int]:
 
 def read_facts(path: str) -> GgufFacts:
     """Parse the header of a GGUF file. Raises ValueError when it is not a readable GGUF."""
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except (OSError, ValueError, KeyError, IndexError) as err:
+        meta, tensors = read_header(path)
+    except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF header of {path}: {err}") from None
-    fields = reader.fields
 
     def get(key: str) -> Any:
-        f = fields.get(key)
-        return None if f is None else _value(f)
+        return meta.get(key)
 
     arch = get("general.architecture") or "llama"
     n_layer = int(get(f"{arch}.block_count") or 0)
@@ -129,11 +109,12 @@ def read_facts(path: str) -> GgufFacts:
         k_len = int(get(f"{arch}.attention.key_length") or head_dim)
         v_len = int(get(f"{arch}.attention.value_length") or head_dim)
         kv_per_layer.append((k_len * hkv, v_len * hkv))
-    tokens = fields.get("tokenizer.ggml.tokens")
-    n_vocab = int(get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.length if isinstance(tokens, LongArray) else len(tokens or [])
+    n_vocab = int(get(f"{arch}.vocab_size") or n_tokens)
     blocks = [0] * n_layer
     embd = other = 0
-    for t in reader.tensors:
+    for t in tensors:
         size = int(t.n_bytes)
         m = _BLOCK.match(t.name)
         if m and int(m.group(1)) < n_layer:
