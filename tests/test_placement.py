@@ -22,7 +22,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def config(model: Path, **kw) -> LlamaCppConfig:
-    return LlamaCppConfig(alias="m", model=str(model), ctx_size=4096, **kw)
+    return LlamaCppConfig(alias="m", model=str(model), **{"ctx_size": 4096, **kw})
 
 
 def gpu_need(model: Path) -> int:
@@ -123,3 +123,37 @@ async def test_reservations_count_against_gpus(model: Path) -> None:
     gate = CapacityGate(FakeProbe(gpus=free_mib(need / MIB * 1.5)), reserved=lambda: {"gpu": need})
     with pytest.raises(InsufficientMemory):
         await gate.admit("a", config(model))
+
+
+async def test_loading_holds_and_reservations_see_each_other(tmp_path: Path, model: Path) -> None:
+    from solar_host.events import EventBus
+    from solar_host.resources.ledger import CapacityExceeded
+    from solar_host.resources.schemas import ReservationRequest
+    from solar_host.resources.service import ResourceService
+    from solar_host.settings import Settings
+
+    probe = FakeProbe(gpus=[(10, 0)])
+    settings = Settings(models_dir=tmp_path / "models", jobs_dir=tmp_path / "jobs")
+    resources = ResourceService(settings, bus=EventBus(), probe=probe)
+    gate = CapacityGate(probe, reserved=resources.reserved_bytes)
+    resources.loading = gate.holds
+    big = config(model, ctx_size=1_048_576)  # a KV cache of 4 GiB at f16
+    placement = await gate.admit("a", big)
+    held = placement.needs["cuda:0"]
+    assert held > 4 * GIB
+    snap = resources.snapshot()
+    assert snap["loading_instances"][0]["instance_id"] == "a"
+    assert snap["vram"]["reserved_headroom_gb"] == round(held / GIB, 2)
+    assert snap["vram"]["available_gb"] == round(10 - held / GIB, 2)
+    assert resources.health_summary()["vram"]["reserved_headroom_gb"] == round(held / GIB, 2)
+    # A reservation cannot take what the loading instance holds ...
+    with pytest.raises(CapacityExceeded):
+        resources.create(ReservationRequest(job_id="j", vram_gb=10 - held / GIB + 0.5, ram_gb=0))
+    res = resources.create(ReservationRequest(job_id="j", vram_gb=1.0, ram_gb=0))
+    # ... and a start cannot take what a reservation keeps.
+    gate.release("a")
+    probe.set_gpus((held / GIB + 0.5, 0))  # room for it, less the 1 GiB reservation
+    with pytest.raises(InsufficientMemory):
+        await gate.admit("b", big)
+    resources.release(res["id"])
+    assert await gate.admit("b", big) is not None
