@@ -234,3 +234,27 @@ def test_large_vocabulary_is_read_fast(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - t0
     assert facts.n_vocab > 60_000
     assert elapsed < 2.0  # gguf.GGUFReader takes tens of seconds on such a vocabulary
+
+
+def test_layers_without_attention_have_no_kv(tmp_path: Path) -> None:
+    """A hybrid model's per-layer head_count_kv of 0 marks recurrent layers: no KV for them."""
+    import gguf
+
+    path = tmp_path / "hybrid.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(4)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_array("llama.attention.head_count_kv", [2, 0, 2, 0])
+    w.add_context_length(256)
+    import numpy as np
+
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    facts = facts_of(str(path))
+    assert facts.kv_per_layer == ((32, 32), (0, 0), (32, 32), (0, 0))
+    est = estimate_config(llama(path, ctx_size=256), [])
+    assert est.devices[0].kv_cache_bytes == 2 * 256 * (32 * 2 + 32 * 2)

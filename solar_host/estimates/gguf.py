@@ -100,11 +100,14 @@ def read_facts(path: str) -> GgufFacts:
     ff = get(f"{arch}.feed_forward_length")
     n_ff = max(_per_layer(ff, max(n_layer, 1), 4 * n_embd)) if n_embd else 0
     n_head = _per_layer(get(f"{arch}.attention.head_count"), n_layer, 0)
-    n_head_kv = _per_layer(get(f"{arch}.attention.head_count_kv"), n_layer, 0)
+    # Absent: one KV head per head (MHA). A 0 in a per-layer array is a layer without
+    # attention (the recurrent layers of a hybrid model): it has no KV cache.
+    kv_raw = get(f"{arch}.attention.head_count_kv")
+    n_head_kv = n_head if kv_raw is None else _per_layer(kv_raw, n_layer, 0)
     kv_per_layer = []
     for i in range(n_layer):
         h = n_head[i]
-        hkv = n_head_kv[i] if n_head_kv[i] or not h else h
+        hkv = n_head_kv[i]
         head_dim = n_embd // h if h else 0
         k_len = int(get(f"{arch}.attention.key_length") or head_dim)
         v_len = int(get(f"{arch}.attention.value_length") or head_dim)
