@@ -81,8 +81,24 @@ def test_full_offload_on_two_gpus_with_tensor_split(gguf_path: Path) -> None:
     assert by["cuda:0"].weights_bytes == f.block_bytes[0]
     assert by["cuda:1"].weights_bytes == sum(f.block_bytes[1:]) + f.output_bytes
     assert by["cuda:1"].kv_cache_bytes == 3 * by["cuda:0"].kv_cache_bytes
-    assert by["cuda:0"].compute_bytes > 0 and by["cuda:1"].compute_bytes == 0
-    assert by["cpu"].kv_cache_bytes == 0
+    assert by["cuda:0"].compute_bytes == by["cuda:1"].compute_bytes > 0
+    assert by["cpu"].kv_cache_bytes == 0 and by["cpu"].compute_bytes == 0
+
+
+def test_row_split_cuts_weights_and_keeps_kv_on_main_gpu(gguf_path: Path) -> None:
+    f = facts_of(str(gguf_path))
+    est = estimate_config(
+        llama(gguf_path, ctx_size=512, split_mode="row", tensor_split="1,1", main_gpu=1),
+        gpus(10, 10),
+    )
+    by = {d.device: d for d in est.devices}
+    offloaded = sum(f.block_bytes) + f.output_bytes
+    assert by["cuda:0"].weights_bytes + by["cuda:1"].weights_bytes == pytest.approx(
+        offloaded, abs=2
+    )
+    assert by["cuda:0"].weights_bytes == pytest.approx(offloaded / 2, abs=2)
+    assert by["cuda:0"].kv_cache_bytes == 0 and by["cuda:1"].kv_cache_bytes > 0
+    assert by["cuda:0"].compute_bytes == 0 and by["cuda:1"].compute_bytes > 0
 
 
 def test_default_split_follows_free_memory(gguf_path: Path) -> None:
@@ -239,6 +255,7 @@ def test_large_vocabulary_is_read_fast(tmp_path: Path) -> None:
 def test_layers_without_attention_have_no_kv(tmp_path: Path) -> None:
     """A hybrid model's per-layer head_count_kv of 0 marks recurrent layers: no KV for them."""
     import gguf
+    import numpy as np
 
     path = tmp_path / "hybrid.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -247,8 +264,6 @@ def test_layers_without_attention_have_no_kv(tmp_path: Path) -> None:
     w.add_head_count(4)
     w.add_array("llama.attention.head_count_kv", [2, 0, 2, 0])
     w.add_context_length(256)
-    import numpy as np
-
     w.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()

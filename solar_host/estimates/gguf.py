@@ -6,15 +6,16 @@ How llama-server lays memory out (checked against its own log lines, tests/test_
   repeating blocks go to the GPUs, split by `tensor_split` (default: by free memory, as
   llama.cpp does) in device order; the output layer goes with block n_layer when
   n_gpu_layers > n_layer. `split_mode: none` puts every offloaded block on `main_gpu`; `row`
-  is counted like `layer` (the same bytes, spread the same way).
+  cuts the offloaded weights across the GPUs by the split and keeps KV and compute on
+  `main_gpu`.
 - KV cache: ctx_size cells (0: the training context), padded to 256, for every layer with
   attention, K and V rows at `cache_type_k`/`cache_type_v` (default f16), on the device of
   its layer. The server's slots share one unified cache, so parallel slots do not multiply it.
 - compute: the scheduler's reserve with flash attention (llama-server's `auto` enables it on
   CPU and CUDA): the f16 KQ mask (ctx x ubatch) plus the FFN/embedding activations of one
   ubatch (512 tokens), with factors fitted to llama-server's "compute buffer size" lines; plus
-  the output buffer (n_vocab floats per slot). On the device holding the first offloaded
-  block, else the CPU.
+  the output buffer (n_vocab floats per slot). On every GPU holding blocks (each computes
+  its own layers), else the CPU.
 - mmproj and spec_draft_model: their tensor bytes (the draft also gets its KV cache), on
   the main device (mmproj on the CPU when mmproj_offload is false).
 
@@ -258,17 +259,43 @@ def estimate_llamacpp(config: Any, gpus: list[Device]) -> Estimate:
 
     n_ctx = padded_ctx(config.ctx_size, facts)
     kv = kv_bytes_per_layer(facts, n_ctx, config.cache_type_k, config.cache_type_v)
+    compute = compute_bytes(facts, n_ctx)
     cpu.weights_bytes += facts.embd_bytes
     main = cpu
-    for il in range(facts.n_layer):
-        dev = device_of_layer(il)
-        dev.weights_bytes += facts.block_bytes[il]
-        dev.kv_cache_bytes += kv[il]
-        if il == first_off and dev is not cpu:
-            main = dev
-    out_dev = device_of_layer(facts.n_layer) if output_on_gpu else cpu
-    out_dev.weights_bytes += facts.output_bytes
-    main.compute_bytes += compute_bytes(facts, n_ctx)
+    if config.split_mode == "row" and cum:
+        # Row split: every offloaded matrix is cut by rows across the GPUs; KV and compute
+        # live on the main GPU.
+        main = est.device(gpus[min(config.main_gpu or 0, len(gpus) - 1)].name)
+        offloaded = sum(facts.block_bytes[first_off:])
+        if output_on_gpu:
+            offloaded += facts.output_bytes
+        else:
+            cpu.weights_bytes += facts.output_bytes
+        prev = 0.0
+        for g, c in zip(gpus, cum, strict=True):
+            est.device(g.name).weights_bytes += int(offloaded * (c - prev))
+            prev = c
+        cpu.weights_bytes += sum(facts.block_bytes[:first_off])
+        cpu.kv_cache_bytes += sum(kv[:first_off])
+        main.kv_cache_bytes += sum(kv[first_off:])
+        main.compute_bytes += compute
+    else:
+        holding = []
+        for il in range(facts.n_layer):
+            dev = device_of_layer(il)
+            dev.weights_bytes += facts.block_bytes[il]
+            dev.kv_cache_bytes += kv[il]
+            if dev is not cpu and dev not in holding:
+                holding.append(dev)
+        out_dev = device_of_layer(facts.n_layer) if output_on_gpu else cpu
+        out_dev.weights_bytes += facts.output_bytes
+        if out_dev is not cpu and out_dev not in holding:
+            holding.append(out_dev)
+        # Each device computes its own layers with the same ubatch shapes: a full compute
+        # buffer on each (llama-server logs one per device).
+        for dev in holding or [cpu]:
+            dev.compute_bytes += compute
+        main = holding[0] if holding else cpu
 
     for field_name in ("mmproj", "spec_draft_model"):
         path = getattr(config, field_name, None)
