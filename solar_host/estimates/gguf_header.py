@@ -83,10 +83,15 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def tensor_nbytes(dims: list[int], ggml_type: int) -> int:
-    import gguf
+def quant_sizes() -> dict[int, tuple[int, int]]:
+    """ggml type -> (elements per block, bytes per block), from the gguf library."""
+    import gguf  # ~180 ms, and only needed once a model is estimated
 
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    return {int(t): v for t, v in gguf.GGML_QUANT_SIZES.items()}
+
+
+def tensor_nbytes(dims: list[int], ggml_type: int, sizes: dict[int, tuple[int, int]]) -> int:
+    block, size = sizes[ggml_type]
     n = 1
     for d in dims:
         n *= d
@@ -117,6 +122,7 @@ def read_header(path: str) -> tuple[dict[str, Any], list[TensorInfo]]:
             key = cur.string()
             meta[key] = cur.value(cur.unpack("<I", 4))
         tensors = []
+        sizes = quant_sizes()
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.unpack("<I", 4)
@@ -126,8 +132,8 @@ def read_header(path: str) -> tuple[dict[str, Any], list[TensorInfo]]:
             ggml_type = cur.unpack("<I", 4)
             cur.unpack("<Q", 8)  # data offset
             try:
-                tensors.append(TensorInfo(name, tensor_nbytes(dims, ggml_type)))
-            except (KeyError, ValueError):
+                tensors.append(TensorInfo(name, tensor_nbytes(dims, ggml_type, sizes)))
+            except KeyError:
                 raise ValueError(f"tensor {name} has unknown type {ggml_type}") from None
         return meta, tensors
     except struct.error:
