@@ -190,8 +190,8 @@ def test_huggingface_weights_at_dtype(tmp_path: Path) -> None:
     half = estimate_config(HuggingFaceCausalConfig(**base, dtype="float16"), [])
     assert auto.devices[0].weights_bytes == 64 * 64 * 4 + 100
     assert half.devices[0].weights_bytes == 64 * 64 * 2 + 100  # integer tensors as stored
-    # KV allowance: 2 x layers x kv_heads x head_dim x max_length x bytes x batch.
-    assert half.devices[0].kv_cache_bytes == 2 * 2 * 2 * 16 * 128 * 2 * 2
+    # KV allowance: 2 x layers x kv_heads x head_dim x max_length x bytes, one sequence.
+    assert half.devices[0].kv_cache_bytes == 2 * 2 * 2 * 16 * 128 * 2
     assert auto.devices[0].device == "cpu"
     on_gpu = estimate_config(HuggingFaceEmbeddingConfig(alias="e", model_id=str(model),
                                                         device="cuda"), gpus(10))  # fmt: skip

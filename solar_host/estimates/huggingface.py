@@ -1,12 +1,12 @@
-"""HuggingFace estimates: safetensors weights at the configured dtype, plus an activation
+"""HuggingFace estimates: safetensors weights at the configured `dtype`, plus an activation
 allowance at `max_length`.
 
-The allowance (documented, not measured): the KV cache of `max_batch_size` sequences of
-`max_length` tokens for causal and vision models (2 x layers x kv_heads x head_dim x
-max_length x dtype bytes each), or, for the encoder models (embedding, classification), the
-activations of one batch, 16 floats per hidden unit per token (attention scores and the FFN
-intermediate dominate), plus a fixed 256 MiB for the CUDA context / torch allocator cache
-on GPUs.
+The allowance (documented, not measured): for causal and vision models, the KV cache of one
+sequence of `max_length` tokens (2 x layers x kv_heads x head_dim x max_length x dtype bytes;
+a batch of shorter requests shares that room); for the encoder models (embedding,
+classification), the activations of one full batch, 16 floats per hidden unit per token
+(attention scores and the FFN intermediate dominate). On GPUs, 256 MiB more for the CUDA
+context and the torch allocator's cache.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def estimate_huggingface(config: Any, gpus: list[Device]) -> Estimate:
     head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
     batch = int(config.max_batch_size)
     if config.backend_type in CAUSAL:
-        activations = 2 * layers * kv_heads * head_dim * config.max_length * nbytes * batch
+        activations = 2 * layers * kv_heads * head_dim * config.max_length * nbytes
     else:
         activations = ENCODER_FLOATS_PER_UNIT * 4 * hidden * config.max_length * batch
     device = CPU
