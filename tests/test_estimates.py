@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from solar_host.estimates.dispatch import estimate_config
 from solar_host.estimates.gguf import facts_of
 from solar_host.estimates.model import Device, EstimateError
 from tests.fixtures.gguf_sized import Shape, write_sized_gguf
+from tests.fixtures.safetensors_files import HF_CONFIG, write_safetensors
 
 GB = 1024**3
 SHAPE = Shape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=256, n_ctx_train=2048)
@@ -159,28 +158,6 @@ def test_unreadable_gguf_names_the_field(gguf_path: Path, tmp_path: Path) -> Non
 # --- safetensors ---------------------------------------------------------------------------------
 
 
-def write_safetensors(folder: Path, tensors: dict[str, tuple[str, list[int]]], **config) -> Path:
-    """A safetensors file with zero-filled data, and config.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    header, offset = {}, 0
-    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1}
-    for name, (dtype, shape) in tensors.items():
-        n = sizes[dtype]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    with open(folder / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-HF_CONFIG = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "torch_dtype": "float32"}  # fmt: skip
-
-
 def test_huggingface_weights_at_dtype(tmp_path: Path) -> None:
     model = write_safetensors(
         tmp_path / "hf", {"w": ("F32", [64, 64]), "q": ("I8", [100])}, **HF_CONFIG
@@ -273,3 +250,20 @@ def test_layers_without_attention_have_no_kv(tmp_path: Path) -> None:
     assert facts.kv_per_layer == ((32, 32), (0, 0), (32, 32), (0, 0))
     est = estimate_config(llama(path, ctx_size=256), [])
     assert est.devices[0].kv_cache_bytes == 2 * 256 * (32 * 2 + 32 * 2)
+
+
+def test_safetensors_header_matches_the_library(tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from solar_host.estimates.safetensors import header_of, tensor_bytes
+
+    arrays = {
+        "a": np.zeros((3, 5), dtype=np.float32),
+        "b": np.zeros((7,), dtype=np.float16),
+        "c": np.zeros((2, 2, 2), dtype=np.int8),
+    }
+    save_file(arrays, str(tmp_path / "m.safetensors"))
+    header = header_of(tmp_path / "m.safetensors")
+    assert tensor_bytes(header, "auto") == sum(a.nbytes for a in arrays.values())
+    assert tensor_bytes(header, "float16") == (15 + 7) * 2 + 8

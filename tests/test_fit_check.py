@@ -16,6 +16,7 @@ from solar_host.control.payloads import PayloadBuilder
 from tests.fixtures.gguf_sized import Shape, write_sized_gguf
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.probes import FakeProbe
+from tests.fixtures.safetensors_files import HF_CONFIG, write_safetensors
 from tests.fixtures.script_backend import ScriptBackend, script_config
 
 MIB = 1024**2
@@ -200,3 +201,32 @@ async def test_placement_reaches_the_backend(tmp_path: Path, model: Path) -> Non
         assert r.json()["instance"]["placed_devices"] == ["cuda:0"]
         assert "CUDA_VISIBLE_DEVICES" not in psutil.Process(r.json()["instance"]["pid"]).environ()
         await h.client.post(f"/instances/{pinned}/stop")
+
+
+async def test_estimate_endpoint_for_hf_and_sglang(tmp_path: Path) -> None:
+    probe = FakeProbe(gpus=[(80, 0), (80, 40)])
+    async with running_host(host_settings(tmp_path), probe=probe) as h:
+        model = write_safetensors(tmp_path / "models" / "tiny-hf", {"w": ("F32", [256, 256])},
+                                  **HF_CONFIG)  # fmt: skip
+        hf = {"backend_type": "huggingface_causal", "alias": "hf:1", "model_id": str(model),
+              "dtype": "bfloat16", "max_length": 1024}  # fmt: skip
+        r = await h.client.post("/instances/estimate", json={"config": hf})
+        assert r.status_code == 200, r.text
+        [dev] = r.json()["devices"]
+        assert dev["device"] == "cuda:0" and dev["weights_bytes"] == 256 * 256 * 2
+        assert r.json()["placement"] == ["cuda:0"]  # the freer GPU
+        sg = {"backend_type": "sglang", "alias": "sg:1", "model_path": str(model),
+              "tp_size": 2, "mem_fraction_static": 0.25}  # fmt: skip
+        r = await h.client.post("/instances/estimate", json={"config": sg})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [d["device"] for d in body["devices"]] == ["cuda:0", "cuda:1"]
+        assert all(d["total_bytes"] == 20 * 1024**3 for d in body["devices"])
+        assert body["fits"] is True
+        r = await h.client.post("/instances/estimate", json={"config": {**sg, "tp_size": 4}})
+        assert r.status_code == 422
+        assert r.json()["detail"][0]["loc"] == ["body", "config", "tp_size"]
+        r = await h.client.post(
+            "/instances/estimate", json={"config": {**sg, "mem_fraction_static": 0.9}}
+        )
+        assert r.json()["fits"] is False  # 72 GiB on a GPU with 40 free
