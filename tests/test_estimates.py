@@ -267,3 +267,15 @@ def test_safetensors_header_matches_the_library(tmp_path: Path) -> None:
     header = header_of(tmp_path / "m.safetensors")
     assert tensor_bytes(header, "auto") == sum(a.nbytes for a in arrays.values())
     assert tensor_bytes(header, "float16") == (15 + 7) * 2 + 8
+
+
+def test_builtin_type_sizes_match_the_gguf_library() -> None:
+    import gguf
+
+    from solar_host.estimates.gguf_header import BUILTIN_QUANT_SIZES
+
+    library = {int(t): v for t, v in gguf.GGML_QUANT_SIZES.items()}
+    assert {k: library[k] for k in BUILTIN_QUANT_SIZES if k in library} == {
+        k: v for k, v in BUILTIN_QUANT_SIZES.items() if k in library
+    }
+    assert set(BUILTIN_QUANT_SIZES) >= {0, 1, 2, 8, 12, 14, 30}

@@ -3,11 +3,13 @@
 gguf's own GGUFReader builds numpy views of every array element, which takes tens of seconds
 on a 150k-token vocabulary; an estimate needs only the scalars, the per-layer arrays and the
 tensor table, so this walks the header with struct and skips long arrays. Type sizes come from
-the `gguf` library (GGML_QUANT_SIZES), so new quantization types are known when it is updated.
+the `gguf` library (GGML_QUANT_SIZES), so new quantization types are known when it is updated;
+a built-in copy serves where it is not installed.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -83,11 +85,26 @@ class _Cursor:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def quant_sizes() -> dict[int, tuple[int, int]]:
-    """ggml type -> (elements per block, bytes per block), from the gguf library."""
-    import gguf  # ~180 ms, and only needed once a model is estimated
+# ggml type -> (elements per block, bytes per block), as of gguf 0.19; the installed gguf
+# library's table is preferred (it knows types added since), this one stands in without it.
+BUILTIN_QUANT_SIZES: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+    15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18),
+    21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4),
+    27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66),
+    39: (32, 17), 40: (64, 36), 41: (128, 18),
+}  # fmt: skip
 
-    return {int(t): v for t, v in gguf.GGML_QUANT_SIZES.items()}
+
+@functools.cache
+def quant_sizes() -> dict[int, tuple[int, int]]:
+    """ggml type -> (elements per block, bytes per block)."""
+    try:
+        import gguf  # ~180 ms, and only needed once a model is estimated
+    except ImportError:
+        return dict(BUILTIN_QUANT_SIZES)
+    return {**BUILTIN_QUANT_SIZES, **{int(t): v for t, v in gguf.GGML_QUANT_SIZES.items()}}
 
 
 def tensor_nbytes(dims: list[int], ggml_type: int, sizes: dict[int, tuple[int, int]]) -> int:
