@@ -230,3 +230,28 @@ async def test_estimate_endpoint_for_hf_and_sglang(tmp_path: Path) -> None:
             "/instances/estimate", json={"config": {**sg, "mem_fraction_static": 0.9}}
         )
         assert r.json()["fits"] is False  # 72 GiB on a GPU with 40 free
+
+
+async def test_crash_restart_is_fit_checked_too(
+    tmp_path: Path, model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = FakeProbe(gpus=[(80, 0)])
+    settings = host_settings(tmp_path, restart_backoff_s=0.1)
+    async with running_host(settings, backends=registry(), probe=probe) as h:
+        config = cfg(tmp_path, model, "--ready-after", "0.1", "--exit-after", "1.0")
+        need = await gpu_need(h, config)
+        iid = await create(h, config)
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        probe.set_gpus(*free_mib(need / MIB * 0.5))  # something else took the GPU meanwhile
+        sup = h.instances.supervisor(iid)
+        deadline = time.monotonic() + 30
+        while sup.counters["restarts"] < 1 or sup.restart_task is not None:
+            assert time.monotonic() < deadline, "no restart was attempted"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "failed" and inst["pid"] is None
+        assert sup.counters["starts"] == 1  # the restart did not spawn
+        assert any("refused" in rec.getMessage() for rec in caplog.records)
+        await h.client.post(f"/instances/{iid}/stop")

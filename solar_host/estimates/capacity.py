@@ -213,7 +213,9 @@ class CapacityGate:
             skip = bool(getattr(config, "skip_fit_check", False)) or not self.enabled()
             if short is not None and not skip:
                 dev, needed, available, why = short
-                raise InsufficientMemory(instance_id, dev, needed, available, why)
+                refusal = InsufficientMemory(instance_id, dev, needed, available, why)
+                log.warning("start of %s refused: %s", instance_id, refusal.detail)
+                raise refusal
             self._holds[instance_id] = placement
             self.placements[instance_id] = placement
         log.info(

@@ -443,7 +443,8 @@ class Supervisor:
             )
             task = self.start_task
             self.restart_task = None
-        with contextlib.suppress(StartFailed, asyncio.CancelledError):
+        # InstanceConflict: the fit check refused the restart (logged by the capacity gate).
+        with contextlib.suppress(StartFailed, InstanceConflict, asyncio.CancelledError):
             await task
 
     async def _poll_metrics(self, path: str) -> None:
