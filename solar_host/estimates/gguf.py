@@ -13,7 +13,9 @@ How llama-server lays memory out (checked against its own log lines, tests/test_
   its layer. The server's slots share one unified cache, so parallel slots do not multiply it.
 - compute: the scheduler's reserve with flash attention (llama-server's `auto` enables it on
   CPU and CUDA): the f16 KQ mask (ctx x ubatch) plus the FFN/embedding activations of one
-  ubatch (512 tokens), with factors fitted to llama-server's "compute buffer size" lines; plus
+  ubatch (512 tokens), with factors fitted to llama-server's "compute buffer size" lines
+  (b10434; builds that keep every ubatch token's logits in the graph need n_vocab x 512 x 4
+  bytes more, which this does not count); plus
   the output buffer (n_vocab floats per slot). On every GPU holding blocks (each computes
   its own layers), else the CPU.
 - mmproj and spec_draft_model: their tensor bytes (the draft also gets its KV cache), on
