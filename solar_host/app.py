@@ -34,6 +34,7 @@ def create_api(host: Host, *, lifespan: Callable[[FastAPI], Any] | None = None) 
     app.state.host = host
     from solar_host.api import (
         docs,
+        estimates,
         instances,
         jobs,
         metrics,
@@ -43,7 +44,7 @@ def create_api(host: Host, *, lifespan: Callable[[FastAPI], Any] | None = None) 
         system,
     )
 
-    for module in (system, instances, streams, docs, jobs, resources, models, metrics):
+    for module in (system, estimates, instances, streams, docs, jobs, resources, models, metrics):
         app.include_router(module.router)
     install_openapi_security(app)
     return app

@@ -213,6 +213,13 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     )
     host.add("instances", manager)
 
+    # --- estimates: the fit check and GPU placement of every start ---------------------------
+    from solar_host.estimates.capacity import CapacityGate
+
+    manager.capacity = CapacityGate(
+        host.probe, enabled=lambda: settings.fit_check, reserved=resources.reserved_bytes
+    )
+    resources.loading = manager.capacity.holds
     # The store answers "which files are in use" and "where did a pull put this source".
     store.in_use = manager.models_in_use
     manager.manifest_lookup = store.lookup_dir

@@ -228,6 +228,7 @@ class HostMetrics:
             self._control_families,
             self._resource_families,
             self._job_families,
+            self._memory_families,
         ):
             try:
                 yield from list(part(host))
@@ -241,6 +242,11 @@ class HostMetrics:
         return body.encode() + generate_latest(self._prometheus()[1])
 
     # --- families -------------------------------------------------------------------------------
+
+    def _memory_families(self, host: Host) -> Iterator[Family]:
+        from solar_host.estimates.accounting import memory_families
+
+        yield from memory_families(host)
 
     def _host_families(self, host: Host) -> Iterator[Family]:
         info = Family(

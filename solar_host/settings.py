@@ -87,6 +87,11 @@ class Settings(BaseModel):
     instance_ready_timeout_s: float = Field(
         default=600.0, gt=0, description="How long one start attempt may take to become ready."
     )
+    fit_check: bool = Field(
+        default=True,
+        description="Refuse (409) a start whose memory estimate exceeds what its devices have "
+        "free; a config's skip_fit_check: true also lets it through.",
+    )
     start_deadline_s: float = Field(
         default=850.0,
         gt=0,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from solar_host.estimates.accounting import instance_memory
 from solar_host.instances.errors import InstanceError, InstanceNotFound, StartFailed
 from solar_host.instances.schemas import Instance, InstanceCreate, InstanceResponse, InstanceUpdate
 
@@ -192,6 +194,9 @@ async def instance_usage(request: Request, instance_id: str) -> Response:
         sup = _svc(request).supervisor(instance_id)
     except InstanceNotFound as err:
         return error_response(err)
-    if sup.telemetry.usage is None:
+    memory = await asyncio.to_thread(instance_memory, request.app.state.host, sup.instance)
+    if sup.telemetry.usage is None and memory is None:
         return JSONResponse(status_code=404, content={"detail": "No usage metrics available"})
-    return JSONResponse({"instance_id": instance_id, **sup.telemetry.usage})
+    return JSONResponse(
+        {"instance_id": instance_id, **(sup.telemetry.usage or {}), "memory": memory}
+    )

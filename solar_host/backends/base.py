@@ -65,6 +65,10 @@ class BackendConfigBase(Tracked):  # Tracked: config.json re-encodes only change
         default=None,
         description="An additional key the backend accepts (the host key always works).",
     )
+    skip_fit_check: bool = Field(
+        default=False,
+        description="Start even when the memory estimate exceeds what is free on its devices.",
+    )
 
     @field_validator("alias")
     @classmethod

@@ -76,6 +76,7 @@ class InstanceManager:
         self.ports = PortAllocator(settings.start_port, self._held_ports)
         self.inotify: InotifyHub | None = None
         self.manifest_lookup: Callable[[str], Path | None] | None = None
+        self.capacity: Any = None  # estimates.capacity.CapacityGate, set by build_host
         self._facts: HostFacts | None = None
         self._list_cache: bytes | None = None
         self._boot_task: asyncio.Task[None] | None = None

@@ -107,6 +107,10 @@ class Instance(Tracked):  # Tracked: config.json re-encodes only changed records
     supported_endpoints: list[str] = Field(default_factory=list)
     served_model_name: str | None = None
     capabilities: list[str] | None = None
+    placed_devices: list[str] | None = Field(
+        default=None,
+        description="Devices of the last start (cpu, cuda:N): the host's or the config's choice.",
+    )
 
 
 class InstanceCreate(BaseModel):

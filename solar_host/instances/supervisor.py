@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
+from solar_host.estimates.hooks import admit_start, apply_placement, end_start
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import ownership, preflight
 from solar_host.instances import process as procs
@@ -150,6 +151,7 @@ class Supervisor:
             raise
 
     async def _start(self, *, restart: bool = False) -> Any:
+        await admit_start(self)  # fit check and placement: 409 before anything is spawned
         token = instance_id_var.set(self.id)
         settings = self.m.settings
         deadline = time.monotonic() + settings.start_deadline_s
@@ -196,6 +198,7 @@ class Supervisor:
             self.m.bus.publish(InstanceStartFinished(self.id, False, restart))
             raise StartFailed(self.id, reason, last.exit_code if last else None, self._tail())
         finally:
+            end_start(self)
             instance_id_var.reset(token)
 
     def _tail(self) -> list[str]:
@@ -255,6 +258,7 @@ class Supervisor:
                 for w in hook(config, ctx) or ():
                     log.warning("%s: %s", config.alias, w)
             spec = backend.launch(config, ctx)
+            apply_placement(self, spec)
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
             self.m.ports.release(port)
             self._after_stop_hook()
@@ -534,7 +538,8 @@ class Supervisor:
             )
             task = self.start_task
             self.restart_task = None
-        with contextlib.suppress(StartFailed, asyncio.CancelledError):
+        # InstanceConflict: the fit check refused the restart (logged by the capacity gate).
+        with contextlib.suppress(StartFailed, InstanceConflict, asyncio.CancelledError):
             await task
 
     async def _poll_metrics(self, path: str) -> None:

@@ -133,13 +133,22 @@ class LiveProbe:
 
     def gpu_process_memory(self) -> dict[int, int]:
         """Bytes of GPU memory per pid (compute and graphics), summed over devices."""
+        out: dict[int, int] = {}
+        for per_pid in self.gpu_process_memory_by_device().values():
+            for pid, used in per_pid.items():
+                out[pid] = out.get(pid, 0) + used
+        return out
+
+    def gpu_process_memory_by_device(self) -> dict[int, dict[int, int]]:
+        """GPU index -> {pid: bytes} (compute and graphics processes), as NVML reports them."""
         nv = self._pynvml()
         if nv is None:
             return {}
-        out: dict[int, int] = {}
+        out: dict[int, dict[int, int]] = {}
         try:
             for i in range(nv.nvmlDeviceGetCount()):
                 h = nv.nvmlDeviceGetHandleByIndex(i)
+                per_pid = out.setdefault(i, {})
                 procs = []
                 for fn in (
                     "nvmlDeviceGetComputeRunningProcesses",
@@ -153,7 +162,7 @@ class LiveProbe:
                     used = getattr(p, "usedGpuMemory", None)
                     if used is None or used < 0 or used >= 2**63:
                         continue
-                    out[int(p.pid)] = out.get(int(p.pid), 0) + int(used)
+                    per_pid[int(p.pid)] = per_pid.get(int(p.pid), 0) + int(used)
         except Exception as err:
             log.warning("NVML process query failed: %s", err)
         return out

@@ -113,12 +113,24 @@ class ReservationView(BaseModel):
     created_at: str
 
 
+class LoadingHold(BaseModel):
+    """The memory estimate of an instance start in progress, held until it ends."""
+
+    instance_id: str
+    devices: dict[str, int] = Field(description="Bytes per device (cpu, cuda:N).")
+    bytes: int
+
+
 class ResourceSnapshot(BaseModel):
     memory_type: Literal["VRAM", "RAM"]
     vram: Dimension | None
     ram: Dimension | None
     disk: Dimension | None
     reservations: list[ReservationView]
+    loading_instances: list[LoadingHold] = Field(
+        default_factory=list,
+        description="Starts in progress; their estimates count in reserved_headroom_gb.",
+    )
 
 
 class CapacityExceededBody(BaseModel):

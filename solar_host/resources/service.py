@@ -17,7 +17,7 @@ from typing import Any
 from solar_host.events import EventBus, ReservationsChanged
 from solar_host.resources.ledger import Capacity, Ledger, LedgerNotPersisted, SystemUsage
 from solar_host.resources.ledger_store import ReservationStore
-from solar_host.resources.probes import CachedValue, SystemProbe
+from solar_host.resources.probes import GB, CachedValue, SystemProbe
 from solar_host.resources.schemas import ReservationRequest
 from solar_host.resources.usage import JobView, measure_jobs
 from solar_host.settings import Settings
@@ -54,6 +54,33 @@ def read_system_usage(probe: SystemProbe, disk_path: Any) -> SystemUsage:
     return SystemUsage(vram=vram, ram=ram, disk=disk)
 
 
+def loading_bytes(holds: list[dict[str, Any]]) -> tuple[int, int]:
+    """(GPU bytes, CPU bytes) held by loading instances."""
+    gpu = cpu = 0
+    for h in holds:
+        for dev, n in h.get("devices", {}).items():
+            if dev == "cpu":
+                cpu += int(n)
+            else:
+                gpu += int(n)
+    return gpu, cpu
+
+
+def add_loading(doc: dict[str, Any], holds: list[dict[str, Any]]) -> None:
+    """Count loading instances' estimates as capacity in use in a snapshot or summary."""
+    gpu, cpu = loading_bytes(holds)
+    if doc.get("vram") is None:
+        cpu, gpu = cpu + gpu, 0
+    for dim, extra in (("vram", gpu), ("ram", cpu)):
+        block = doc.get(dim)
+        if not extra or not isinstance(block, dict):
+            continue
+        gb = extra / GB
+        block["reserved_headroom_gb"] = round(block["reserved_headroom_gb"] + gb, 2)
+        block["reported_used_gb"] = round(block["reported_used_gb"] + gb, 2)
+        block["available_gb"] = round(max(0.0, block["available_gb"] - gb), 2)
+
+
 class ResourceService:
     """Owns the ledger. `jobs` (a JobView) is set after construction; None: nothing runs."""
 
@@ -77,6 +104,9 @@ class ResourceService:
         self._tasks: list[asyncio.Task[None]] = []
         self.usage_refreshes = 0
         self.cleanup_runs = 0
+        # Memory held by instance starts in progress (CapacityGate.holds), set by build_host:
+        # [{instance_id, devices: {cpu | cuda:N: bytes}, bytes}].
+        self.loading: Any = None
 
     # --- reads -------------------------------------------------------------------------------
     def _job_running(self, job_id: str) -> bool:
@@ -89,11 +119,52 @@ class ResourceService:
 
     def snapshot(self) -> dict[str, Any]:
         """The ResourceSnapshot (JSON-ready): `GET /resources` and `host_health.resources`."""
-        return self.ledger.snapshot(self.system_usage())
+        snap = self.ledger.snapshot(self.system_usage())
+        holds = self._loading()
+        add_loading(snap, holds)
+        snap["loading_instances"] = holds
+        return snap
 
     def health_summary(self) -> dict[str, Any]:
         """Legacy host_health block: {active_count, vram?, ram?, disk?}."""
-        return self.ledger.summary(self.system_usage())
+        summary = self.ledger.summary(self.system_usage())
+        add_loading(summary, self._loading())
+        return summary
+
+    def _loading(self) -> list[dict[str, Any]]:
+        loading = self.loading
+        if loading is None:
+            return []
+        try:
+            return list(loading())
+        except Exception:
+            log.exception("loading holds unavailable")
+            return []
+
+    def reserved_bytes(self) -> dict[str, int]:
+        """What reservations keep, as the fit check counts it: {"gpu": bytes, "cpu": bytes}."""
+        summary = self.ledger.summary(self.system_usage())
+        out = {}
+        for dim, key in (("vram", "gpu"), ("ram", "cpu")):
+            block = summary.get(dim)
+            if isinstance(block, dict):
+                out[key] = int(block.get("reserved_headroom_gb", 0.0) * GB)
+        return out
+
+    def _usage_with_loading(self) -> SystemUsage:
+        """System usage with the holds of loading instances counted as used: a reservation
+        cannot take memory a start is about to fill."""
+        usage = self.system_usage()
+        gpu, cpu = loading_bytes(self._loading())
+
+        def more(cap: Capacity | None, extra: int) -> Capacity | None:
+            if cap is None or not extra:
+                return cap
+            return Capacity(cap.total_bytes, cap.used_bytes + extra)
+
+        if usage.vram is None:
+            return SystemUsage(vram=None, ram=more(usage.ram, gpu + cpu), disk=usage.disk)
+        return SystemUsage(vram=more(usage.vram, gpu), ram=more(usage.ram, cpu), disk=usage.disk)
 
     def get(self, reservation_id: str) -> dict[str, Any] | None:
         return self.ledger.get(reservation_id)
@@ -157,7 +228,7 @@ class ResourceService:
         self.cleanup_expired(count_run=False)
         view = self.ledger.create(
             req,
-            self.system_usage,
+            self._usage_with_loading,
             default_ttl_s=self.settings.default_reservation_ttl_seconds,
         )
         log.info(

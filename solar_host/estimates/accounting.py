@@ -1,0 +1,120 @@
+"""Per-instance memory accounting: what a backend's process tree uses on each device, measured
+(NVML per-process figures on NVIDIA GPUs, RSS on the CPU), beside what was estimated for it.
+
+Blocking (psutil, NVML): callers run it in a worker thread, or at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psutil
+
+from solar_host.estimates.model import CPU, gpu_name
+from solar_host.resources.usage import process_tree
+
+log = logging.getLogger(__name__)
+
+
+def gpu_memory_by_device(probe: Any) -> dict[int, dict[int, int]]:
+    """GPU index -> {pid: bytes}; probes without the per-device call report GPU 0."""
+    try:
+        per_device = getattr(probe, "gpu_process_memory_by_device", None)
+        if per_device is not None:
+            return per_device()
+        summed = probe.gpu_process_memory()
+        return {0: summed} if summed else {}
+    except Exception as err:
+        log.debug("GPU process memory unavailable: %s", err)
+        return {}
+
+
+def measure_tree(root_pid: int | None, gpu_memory: dict[int, dict[int, int]]) -> dict[str, int]:
+    """Bytes per device used by the process tree under `root_pid` ({} when it is gone)."""
+    if not root_pid:
+        return {}
+    pids = process_tree(root_pid)
+    if not pids:
+        return {}
+    rss = 0
+    for pid in pids:
+        try:
+            rss += psutil.Process(pid).memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    out = {CPU: rss}
+    for index, per_pid in sorted(gpu_memory.items()):
+        used = sum(n for pid, n in per_pid.items() if pid in pids)
+        if used:
+            out[gpu_name(index)] = used
+    return out
+
+
+def estimated(gate: Any, inst: Any) -> dict[str, int]:
+    """The estimate per device of an instance's last start ({} when none was made)."""
+    if gate is None:
+        return {}
+    placement = gate.placements.get(inst.id)
+    return dict(placement.needs) if placement is not None else {}
+
+
+def memory_view(gate: Any, probe: Any, inst: Any, gpu_memory: Any = None) -> dict[str, Any] | None:
+    """{devices: [{device, estimate_bytes, measured_bytes}], estimate_bytes, measured_bytes}
+    for a running instance; None when it has no process and no estimate."""
+    est = estimated(gate, inst)
+    measured = {}
+    if inst.pid:
+        if gpu_memory is None:
+            gpu_memory = gpu_memory_by_device(probe)
+        measured = measure_tree(inst.pid, gpu_memory)
+    if not est and not measured:
+        return None
+    names = sorted(set(est) | set(measured), key=lambda n: (n != CPU, n))
+    return {
+        "devices": [
+            {
+                "device": n,
+                "estimate_bytes": est.get(n),
+                "measured_bytes": measured.get(n) if inst.pid else None,
+            }
+            for n in names
+        ],
+        "estimate_bytes": sum(est.values()) if est else None,
+        "measured_bytes": sum(measured.values()) if measured else None,
+    }
+
+
+def memory_families(host: Any) -> list[Any]:
+    """Prometheus families: estimated and measured bytes per instance and device."""
+    from solar_host.metrics import PREFIX, Family
+
+    manager = host.services.get("instances")
+    gate = getattr(manager, "capacity", None)
+    est = Family(
+        f"{PREFIX}_instance_memory_estimate_bytes",
+        "gauge",
+        "Memory estimated for an instance's last start, per device (cpu, cuda:N).",
+        ("instance_id", "device"),
+    )
+    used = Family(
+        f"{PREFIX}_instance_memory_measured_bytes",
+        "gauge",
+        "Memory a running instance's backend processes use, per device (RSS; NVML on GPUs).",
+        ("instance_id", "device"),
+    )
+    sups = list(getattr(manager, "supervisors", {}).values())
+    gpu_memory = gpu_memory_by_device(host.probe) if any(s.instance.pid for s in sups) else {}
+    for sup in sups:
+        inst = sup.instance
+        for dev, n in estimated(gate, inst).items():
+            est.add((inst.id, dev), n)
+        if inst.pid:
+            for dev, n in measure_tree(inst.pid, gpu_memory).items():
+                used.add((inst.id, dev), n)
+    return [est, used]
+
+
+def instance_memory(host: Any, inst: Any) -> dict[str, Any] | None:
+    manager = host.services.get("instances")
+    return memory_view(getattr(manager, "capacity", None), host.probe, inst)

@@ -1,0 +1,318 @@
+"""llama.cpp estimates from a GGUF header (gguf_header.py; no tensor data read).
+
+How llama-server lays memory out (checked against its own log lines, tests/test_estimates_real):
+
+- weights: every tensor's bytes. `token_embd` stays on the CPU; the last `n_gpu_layers`
+  repeating blocks go to the GPUs, split by `tensor_split` (default: by free memory, as
+  llama.cpp does) in device order; the output layer goes with block n_layer when
+  n_gpu_layers > n_layer. `split_mode: none` puts every offloaded block on `main_gpu`; `row`
+  cuts the offloaded weights across the GPUs by the split and keeps KV and compute on
+  `main_gpu`.
+- KV cache: ctx_size cells (0: the training context), padded to 256, for every layer with
+  attention, K and V rows at `cache_type_k`/`cache_type_v` (default f16), on the device of
+  its layer. The server's slots share one unified cache, so parallel slots do not multiply it.
+- compute: the scheduler's reserve with flash attention (llama-server's `auto` enables it on
+  CPU and CUDA): the f16 KQ mask (ctx x ubatch) plus the FFN/embedding activations of one
+  ubatch (512 tokens), with factors fitted to llama-server's "compute buffer size" lines
+  (b10434; builds that keep every ubatch token's logits in the graph need n_vocab x 512 x 4
+  bytes more, which this does not count); plus
+  the output buffer (n_vocab floats per slot). On every GPU holding blocks (each computes
+  its own layers), else the CPU.
+- mmproj and spec_draft_model: their tensor bytes (the draft also gets its KV cache), on
+  the main device (mmproj on the CPU when mmproj_offload is false).
+
+Not modelled: sliding-window caches (counted as full), MLA caches (counted as plain K/V),
+recurrent state, `-ot` overrides.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from solar_host.estimates.gguf_header import LongArray, read_header
+from solar_host.estimates.model import CPU, Device, DeviceEstimate, Estimate, EstimateError
+
+UBATCH = 512
+CTX_PAD = 256
+N_SEQ = 4  # llama-server's default slots (n_parallel auto)
+# Fitted to llama-server's compute buffer over models of n_embd 512-1024, n_ff 1024-4096.
+COMPUTE_FF_FACTOR = 3.2
+COMPUTE_EMBD_FACTOR = 2.7
+# ggml type sizes (block elements, bytes per block) of the KV cache types a config may name.
+CACHE_TYPES = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "iq4_nl": (32, 18),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class GgufFacts:
+    """What an estimate needs from one GGUF file."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    kv_per_layer: tuple[tuple[int, int], ...]  # (n_embd_k_gqa, n_embd_v_gqa) per layer
+    block_bytes: tuple[int, ...]  # tensor bytes of each repeating block
+    embd_bytes: int  # token_embd (the input layer, always on the CPU)
+    output_bytes: int  # output, output_norm and other tensors outside the blocks
+    file_bytes: int
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(self.block_bytes) + self.embd_bytes + self.output_bytes
+
+
+def _per_layer(value: Any, n_layer: int, default: int) -> list[int]:
+    if value is None:
+        return [default] * n_layer
+    if isinstance(value, list):
+        vals = [int(v) for v in value] or [default]
+        return (vals + [vals[-1]] * n_layer)[:n_layer]
+    return [int(value)] * n_layer
+
+
+def read_facts(path: str) -> GgufFacts:
+    """Parse the header of a GGUF file. Raises ValueError when it is not a readable GGUF."""
+    try:
+        meta, tensors = read_header(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read GGUF header of {path}: {err}") from None
+
+    def get(key: str) -> Any:
+        return meta.get(key)
+
+    arch = get("general.architecture") or "llama"
+    n_layer = int(get(f"{arch}.block_count") or 0)
+    n_embd = int(get(f"{arch}.embedding_length") or 0)
+    ff = get(f"{arch}.feed_forward_length")
+    n_ff = max(_per_layer(ff, max(n_layer, 1), 4 * n_embd)) if n_embd else 0
+    n_head = _per_layer(get(f"{arch}.attention.head_count"), n_layer, 0)
+    # Absent: one KV head per head (MHA). A 0 in a per-layer array is a layer without
+    # attention (the recurrent layers of a hybrid model): it has no KV cache.
+    kv_raw = get(f"{arch}.attention.head_count_kv")
+    n_head_kv = n_head if kv_raw is None else _per_layer(kv_raw, n_layer, 0)
+    kv_per_layer = []
+    for i in range(n_layer):
+        h = n_head[i]
+        hkv = n_head_kv[i]
+        head_dim = n_embd // h if h else 0
+        k_len = int(get(f"{arch}.attention.key_length") or head_dim)
+        v_len = int(get(f"{arch}.attention.value_length") or head_dim)
+        kv_per_layer.append((k_len * hkv, v_len * hkv))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.length if isinstance(tokens, LongArray) else len(tokens or [])
+    n_vocab = int(get(f"{arch}.vocab_size") or n_tokens)
+    blocks = [0] * n_layer
+    embd = other = 0
+    for t in tensors:
+        size = int(t.n_bytes)
+        m = _BLOCK.match(t.name)
+        if m and int(m.group(1)) < n_layer:
+            blocks[int(m.group(1))] += size
+        elif t.name.startswith("token_embd."):
+            embd += size
+        else:
+            other += size
+    return GgufFacts(
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_vocab=n_vocab,
+        n_ctx_train=int(get(f"{arch}.context_length") or 0),
+        kv_per_layer=tuple(kv_per_layer),
+        block_bytes=tuple(blocks),
+        embd_bytes=embd,
+        output_bytes=other,
+        file_bytes=os.path.getsize(path),
+    )
+
+
+_cache: dict[tuple[str, int, int], GgufFacts] = {}
+_cache_lock = threading.Lock()
+
+
+def facts_of(path: str) -> GgufFacts:
+    """`read_facts`, cached by (path, size, mtime): a big vocabulary takes a while to parse."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    facts = read_facts(path)
+    with _cache_lock:
+        if len(_cache) > 256:
+            _cache.clear()
+        _cache[key] = facts
+    return facts
+
+
+def row_bytes(n: int, cache_type: str | None) -> int:
+    block, size = CACHE_TYPES[cache_type or "f16"]
+    return -(-n // block) * size
+
+
+def padded_ctx(ctx_size: int, facts: GgufFacts) -> int:
+    n = ctx_size or facts.n_ctx_train or 4096
+    return -(-n // CTX_PAD) * CTX_PAD
+
+
+def kv_bytes_per_layer(facts: GgufFacts, n_ctx: int, ctk: str | None, ctv: str | None) -> list[int]:
+    return [n_ctx * (row_bytes(k, ctk) + row_bytes(v, ctv)) for k, v in facts.kv_per_layer]
+
+
+def compute_bytes(facts: GgufFacts, n_ctx: int) -> int:
+    ub = min(UBATCH, n_ctx)
+    acts = ub * 4 * (COMPUTE_FF_FACTOR * facts.n_ff + COMPUTE_EMBD_FACTOR * facts.n_embd)
+    mask = n_ctx * ub * 2
+    output = facts.n_vocab * 4 * N_SEQ
+    return int(acts + mask + output)
+
+
+def parse_devices(devices: str | None) -> list[int] | None:
+    """`devices` as GPU indices: None when not named, [] for `none` (CPU only)."""
+    if not devices:
+        return None
+    out = []
+    for part in devices.split(","):
+        name = part.strip()
+        if name.lower() == "none":
+            return []
+        m = re.search(r"(\d+)$", name)
+        if m is None:
+            raise EstimateError("devices", f"cannot tell which GPU '{name}' is (e.g. CUDA0)")
+        out.append(int(m.group(1)))
+    return out
+
+
+def offloaded_layers(n_gpu_layers: int, n_layer: int) -> tuple[int, bool]:
+    """(repeating blocks on GPUs, output layer on GPU) for llama.cpp's n_gpu_layers."""
+    if n_gpu_layers < 0 or n_gpu_layers > n_layer:
+        return n_layer, True
+    return n_gpu_layers, False
+
+
+def split_fractions(config: Any, gpus: list[Device]) -> list[float]:
+    """Cumulative split points per GPU, as llama.cpp computes them."""
+    n = len(gpus)
+    if config.split_mode == "none":
+        main = config.main_gpu or 0
+        if main >= n:
+            raise EstimateError("main_gpu", f"main_gpu {main} is not one of the {n} devices")
+        weights = [1.0 if i == main else 0.0 for i in range(n)]
+    elif config.tensor_split:
+        weights = [float(x) for x in config.tensor_split.split(",")][:n]
+        weights += [0.0] * (n - len(weights))
+        if sum(weights) <= 0:
+            raise EstimateError("tensor_split", "tensor_split proportions sum to zero")
+    else:
+        weights = [float(max(g.free_bytes, 1)) for g in gpus]
+    total = sum(weights)
+    cum, acc = [], 0.0
+    for w in weights:
+        acc += w / total
+        cum.append(acc)
+    return cum
+
+
+def estimate_llamacpp(config: Any, gpus: list[Device]) -> Estimate:
+    """Bytes per device for `config` on `gpus` (in order; empty: a CPU-only start)."""
+    if not config.model:
+        raise EstimateError("model", "no model file to estimate from")
+    try:
+        facts = facts_of(config.model)
+    except (OSError, ValueError) as err:
+        raise EstimateError("model", str(err)) from None
+    est = Estimate("llamacpp", [DeviceEstimate(CPU)])
+    cpu = est.devices[0]
+    for g in gpus:
+        est.device(g.name)
+    n_off, output_on_gpu = (
+        offloaded_layers(config.n_gpu_layers, facts.n_layer) if gpus else (0, False)
+    )
+    first_off = facts.n_layer - n_off
+    cum = split_fractions(config, gpus) if gpus and n_off else []
+
+    def device_of_layer(il: int) -> DeviceEstimate:
+        if il < first_off or not cum:
+            return cpu
+        frac = (il - first_off) / max(n_off, 1)
+        for i, c in enumerate(cum):
+            if frac < c - 1e-9:
+                return est.device(gpus[i].name)
+        return est.device(gpus[len(cum) - 1].name)
+
+    n_ctx = padded_ctx(config.ctx_size, facts)
+    kv = kv_bytes_per_layer(facts, n_ctx, config.cache_type_k, config.cache_type_v)
+    compute = compute_bytes(facts, n_ctx)
+    cpu.weights_bytes += facts.embd_bytes
+    main = cpu
+    if config.split_mode == "row" and cum:
+        # Row split: every offloaded matrix is cut by rows across the GPUs; KV and compute
+        # live on the main GPU.
+        main = est.device(gpus[min(config.main_gpu or 0, len(gpus) - 1)].name)
+        offloaded = sum(facts.block_bytes[first_off:])
+        if output_on_gpu:
+            offloaded += facts.output_bytes
+        else:
+            cpu.weights_bytes += facts.output_bytes
+        prev = 0.0
+        for g, c in zip(gpus, cum, strict=True):
+            est.device(g.name).weights_bytes += int(offloaded * (c - prev))
+            prev = c
+        cpu.weights_bytes += sum(facts.block_bytes[:first_off])
+        cpu.kv_cache_bytes += sum(kv[:first_off])
+        main.kv_cache_bytes += sum(kv[first_off:])
+        main.compute_bytes += compute
+    else:
+        holding = []
+        for il in range(facts.n_layer):
+            dev = device_of_layer(il)
+            dev.weights_bytes += facts.block_bytes[il]
+            dev.kv_cache_bytes += kv[il]
+            if dev is not cpu and dev not in holding:
+                holding.append(dev)
+        out_dev = device_of_layer(facts.n_layer) if output_on_gpu else cpu
+        out_dev.weights_bytes += facts.output_bytes
+        if out_dev is not cpu and out_dev not in holding:
+            holding.append(out_dev)
+        # Each device computes its own layers with the same ubatch shapes: a full compute
+        # buffer on each (llama-server logs one per device).
+        for dev in holding or [cpu]:
+            dev.compute_bytes += compute
+        main = holding[0] if holding else cpu
+
+    for field_name in ("mmproj", "spec_draft_model"):
+        path = getattr(config, field_name, None)
+        if not path:
+            continue
+        try:
+            extra = facts_of(path)
+        except (OSError, ValueError) as err:
+            raise EstimateError(field_name, str(err)) from None
+        target = main
+        if field_name == "mmproj" and not config.mmproj_offload:
+            target = cpu
+        target.extra_files_bytes += extra.tensor_bytes
+        if field_name == "spec_draft_model":
+            target.extra_files_bytes += sum(kv_bytes_per_layer(extra, n_ctx, None, None))
+    if config.ot:
+        est.notes.append("-ot tensor overrides are not modelled: the split may differ")
+    return est

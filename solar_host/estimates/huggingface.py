@@ -1,0 +1,74 @@
+"""HuggingFace estimates: safetensors weights at the configured `dtype`, plus an activation
+allowance at `max_length`.
+
+The allowance (documented, not measured): for causal and vision models, the KV cache of one
+sequence of `max_length` tokens (2 x layers x kv_heads x head_dim x max_length x dtype bytes;
+a batch of shorter requests shares that room); for the encoder models (embedding,
+classification), the activations of one full batch, 16 floats per hidden unit per token
+(attention scores and the FFN intermediate dominate). On GPUs, 256 MiB more for the CUDA
+context and the torch allocator's cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from solar_host.estimates.model import CPU, Device, DeviceEstimate, Estimate, EstimateError
+from solar_host.estimates.safetensors import TARGET_BYTES, read_model
+
+GPU_RUNTIME_BYTES = 256 * 1024**2
+ENCODER_FLOATS_PER_UNIT = 16
+CAUSAL = ("huggingface_causal", "huggingface_vision")
+
+
+def model_dir_of(config: Any) -> Path:
+    model = config.model_id
+    p = Path(model) if model else None
+    if p is None or not p.is_dir():
+        raise EstimateError(
+            "model_id", "estimates need a local model directory (pull the model first)"
+        )
+    return p
+
+
+def dtype_bytes(config: Any, stored: dict[str, Any]) -> tuple[str, int]:
+    dtype = config.dtype
+    if dtype == "auto":
+        td = str(stored.get("torch_dtype") or stored.get("dtype") or "float32")
+        dtype = td if td in TARGET_BYTES else "float32"
+    return dtype, TARGET_BYTES[dtype]
+
+
+def estimate_huggingface(config: Any, gpus: list[Device]) -> Estimate:
+    facts_dir = model_dir_of(config)
+    try:
+        stored = read_model(facts_dir, "auto")
+        dtype, nbytes = dtype_bytes(config, stored.config)
+        facts = read_model(facts_dir, dtype)
+    except (OSError, ValueError) as err:
+        raise EstimateError("model_id", str(err)) from None
+    cfg = facts.config
+    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or 0)
+    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    batch = int(config.max_batch_size)
+    if config.backend_type in CAUSAL:
+        activations = 2 * layers * kv_heads * head_dim * config.max_length * nbytes
+    else:
+        activations = ENCODER_FLOATS_PER_UNIT * 4 * hidden * config.max_length * batch
+    device = CPU
+    if config.device in ("cuda", "auto") and gpus:
+        device = gpus[0].name
+    elif config.device == "cuda":
+        raise EstimateError("device", "device 'cuda' but this host has no NVIDIA GPU")
+    dev = DeviceEstimate(
+        device,
+        weights_bytes=facts.weight_bytes,
+        kv_cache_bytes=activations if config.backend_type in CAUSAL else 0,
+        compute_bytes=(0 if config.backend_type in CAUSAL else activations)
+        + (GPU_RUNTIME_BYTES if device != CPU else 0),
+    )
+    return Estimate(config.backend_type, [dev], notes=[f"weights at {dtype}"])
