@@ -177,9 +177,10 @@ class InstanceManager:
                 except Exception as err:
                     log.error("boot start of %s failed: %s", sup.id, err)
 
+        keys = asyncio.create_task(self._restart_outdated_keys(), name="key-restarts")
         await asyncio.gather(*(start_one(s) for s in to_start))
         self.boot_done.set()
-        await self._restart_outdated_keys()
+        await keys
 
     async def _sweep_strays(self) -> None:
         """Stop processes that carry this host's marker but that no recorded instance owns.

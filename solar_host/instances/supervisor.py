@@ -673,7 +673,7 @@ class Supervisor:
         if ident is None or (rec.start_ticks is not None and ident.start_ticks != rec.start_ticks):
             return None, "it exited (or its pid now belongs to another process)"
         try:
-            argv = open(f"/proc/{rec.pid}/cmdline", "rb").read().split(b"\0")[:-1]
+            argv = Path(f"/proc/{rec.pid}/cmdline").read_bytes().split(b"\0")[:-1]
         except OSError:
             return None, "it exited"
         if [a.decode("utf-8", "replace") for a in argv] != rec.cmdline:
