@@ -171,7 +171,8 @@ def gguf_file(field: str, path: str | os.PathLike[str]) -> str | None:
         return f"{field}: cannot read {path}: {err.strerror or err}"
     if magic != GGUF_MAGIC:
         return (
-            f"{field}: {path} is not a GGUF file (starts with {magic!r}, not b'GGUF'); "
+            # Never quote the bytes: the file may be anything the host user can read.
+            f"{field}: {path} is not a GGUF file (no GGUF magic at its start); "
             "point it at the .gguf model file"
         )
     return None

@@ -594,14 +594,10 @@ class InstanceManager:
             self.store.quarantined.append(entry)
             raise
         log.warning("quarantined entry %s deleted by the operator", instance_id)
-        rec = entry.process or {}
-        pid, create_time = entry.pid, rec.get("create_time")
-        if pid is not None and isinstance(create_time, (int, float)):
-            cmdline = rec.get("cmdline") if isinstance(rec.get("cmdline"), list) else []
-            ticks = rec.get("start_ticks") if isinstance(rec.get("start_ticks"), int) else None
-            proc = procs.adopt(pid, float(create_time), cmdline, ticks)
-            if proc is not None:
-                await procs.terminate(proc, self.settings.stop_grace_s)
+        # Its backend and workers, whatever its record says: what carries its marker is its own.
+        ours = await asyncio.to_thread(ownership.carriers, self.marker(instance_id))
+        if ours:
+            await procs.end_processes(ours, self.settings.stop_grace_s)
         return entry.view()
 
     async def start(self, instance_id: str) -> Instance:
