@@ -3,6 +3,7 @@ the llama.cpp server of the xllamacpp distribution (ruling 9), and says so."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import signal
@@ -227,6 +228,10 @@ async def test_host_serves_llama_through_xllamacpp(
         assert set(root["backends"]) >= {"llamacpp", "sglang", "huggingface_causal"}
         for bt, a in root["backends"].items():
             assert a["available"] or a["reason"], bt
+        for _ in range(600):  # logged from a worker thread right after start
+            if any("backend llamacpp: available" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
         assert any("backend llamacpp: available" in r.getMessage() for r in caplog.records)
 
         cfg = _cfg(tiny_gguf, api_key="instance-extra-key", chat_template_kwargs={"x": True})

@@ -79,6 +79,7 @@ class InstanceManager:
         self._boot_task: asyncio.Task[None] | None = None
         self._prune_task: asyncio.Task[Any] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
+        self._facts_task: asyncio.Future[None] | None = None
         self.boot_done = asyncio.Event()
         self._pending_saves: set[asyncio.Task[None]] = set()
 
@@ -89,7 +90,8 @@ class InstanceManager:
         self.settings.log_dir.mkdir(parents=True, exist_ok=True)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
-        self.log_backends()
+        # Off the start-up path (it looks for executables and Python packages).
+        self._facts_task = asyncio.create_task(asyncio.to_thread(self.log_backends))
         result = await asyncio.to_thread(self.store.load)
         if result.roles:
             self.roles = result.roles
@@ -188,7 +190,7 @@ class InstanceManager:
 
     async def shutdown(self) -> None:
         """Service stop: stop backends (or leave them serving) and persist."""
-        for task in (self._boot_task, self._sweep_task, self._prune_task):
+        for task in (self._boot_task, self._sweep_task, self._prune_task, self._facts_task):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
