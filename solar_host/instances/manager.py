@@ -378,6 +378,16 @@ class InstanceManager:
             backend = self.backends.for_type(config.backend_type)
         except KeyError:
             backend = None
+        if backend is not None:
+            # Accepted (the operator may install it before the start), but said at once.
+            from solar_host.backends.availability import describe
+
+            found = describe(backend, self.facts())
+            if not found.available:
+                msg = f"backend {config.backend_type} cannot run on this host: {found.reason}"
+                log.warning("config of %s: %s", config.alias, msg)
+                if warnings is not None:
+                    warnings.append(msg)
         refuse = getattr(backend, "create_refusals", None)
         for r in refuse(config, self.facts()) if refuse is not None else ():
             errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
