@@ -3,6 +3,7 @@ the llama.cpp server of the xllamacpp distribution (ruling 9), and says so."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import signal
@@ -227,6 +228,10 @@ async def test_host_serves_llama_through_xllamacpp(
         assert set(root["backends"]) >= {"llamacpp", "sglang", "huggingface_causal"}
         for bt, a in root["backends"].items():
             assert a["available"] or a["reason"], bt
+        for _ in range(600):  # logged from a worker thread right after start
+            if any("backend llamacpp: available" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
         assert any("backend llamacpp: available" in r.getMessage() for r in caplog.records)
 
         cfg = _cfg(tiny_gguf, api_key="instance-extra-key", chat_template_kwargs={"x": True})
@@ -246,6 +251,16 @@ async def test_host_serves_llama_through_xllamacpp(
         assert "instance-extra-key" not in " ".join(proc.cmdline())
         logs = (await h.client.get(f"/instances/{iid}/logs")).json()
         assert any("listening on" in e["line"] for e in logs)
+        # supervised like the binary: a crash is restarted
+        proc.send_signal(signal.SIGKILL)
+        for _ in range(1200):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "running" and inst["pid"] != proc.pid:
+                break
+            await asyncio.sleep(0.05)
+        assert inst["status"] == "running" and inst["pid"] != proc.pid, inst
+        assert (await _chat(inst["port"], API_KEY)).status_code == 200
+        proc = psutil.Process(inst["pid"])
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
         assert not psutil.pid_exists(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE
 

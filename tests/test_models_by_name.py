@@ -113,3 +113,25 @@ async def test_pulled_source_resolves_by_name(tmp_path: Path, reg: Registry) -> 
         r = await h.client.post(f"/instances/{iid}/start")
         assert r.status_code == 200, r.text
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+
+
+def test_every_backend_family_resolves_a_pulled_source(tmp_path: Path) -> None:
+    from solar_host.instances.schemas import ConfigError, parse_config
+
+    pulled = tmp_path / "models" / "hf--acme--tiny"
+    pulled.mkdir(parents=True)
+    (pulled / "config.json").write_text("{}")
+    stored = {"huggingface://acme/tiny": pulled}
+    lookup = stored.get
+    for bt, field in (("huggingface_causal", "model_id"), ("sglang", "model_path")):
+        raw = {"backend_type": bt, "alias": "t", "model_source": "huggingface://acme/tiny"}
+        config = parse_config(raw, models_dir=tmp_path / "models", manifest_lookup=lookup)
+        assert getattr(config, field) == str(pulled), bt
+        with pytest.raises(ConfigError) as err:
+            parse_config(
+                {**raw, "model_source": "huggingface://acme/other"},
+                models_dir=tmp_path / "models",
+                manifest_lookup=lookup,
+            )
+        assert err.value.errors[0]["loc"] == ("model_source",)
+        assert '"model_id": "acme/other"' in err.value.errors[0]["msg"]

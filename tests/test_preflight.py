@@ -90,6 +90,9 @@ async def test_backend_that_cannot_run_fails_before_spawn(tmp_path: Path) -> Non
         root = (await h.client.get("/")).json()
         assert "llamacpp" not in root["supported_backends"]
         assert "LLAMA_SERVER_BIN=/nowhere/llama-server" in root["backends"]["llamacpp"]["reason"]
+        r = await h.client.post("/instances", json={"config": _cfg(good)})
+        assert r.status_code == 200  # accepted: it may be installed before the start
+        assert "LLAMA_SERVER_BIN=/nowhere/llama-server" in r.json()["warnings"][0]
         body, _, iid = await _start_fails(h, _cfg(good))
         assert "LLAMA_SERVER_BIN=/nowhere/llama-server" in body["detail"]
         assert (await h.client.get(f"/instances/{iid}")).json()["retry_count"] == 1

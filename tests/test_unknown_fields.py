@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,9 @@ def test_host_logs_setting_warnings_at_start(tmp_path: Path) -> None:
     (host.tmp / "no.env").write_text("LLAMA_SERVR_BIN=/opt/x\n")
     with host:
         host.start()
+        deadline = time.monotonic() + 30
+        while "backend llamacpp:" not in host.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
         log = host.log()
     assert "unknown setting LLAMA_SERVR_BIN in the env file: did you mean LLAMA_SERVER_BIN?" in log
     assert "backend llamacpp:" in log  # the availability table is logged too

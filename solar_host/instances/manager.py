@@ -82,6 +82,7 @@ class InstanceManager:
         self._boot_task: asyncio.Task[None] | None = None
         self._prune_task: asyncio.Task[Any] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
+        self._facts_task: asyncio.Future[None] | None = None
         self.boot_done = asyncio.Event()
         self._pending_saves: set[asyncio.Task[None]] = set()
         # Set by a hand-over restart (Host.hand_over_backends): the coming shutdown leaves
@@ -89,13 +90,13 @@ class InstanceManager:
         self.hand_over = False
         # This state directory's id (ownership.load_host_id): part of every backend's marker.
         self.host_id = ""
+        self._loaded: LoadResult | None = None
 
     def marker(self, instance_id: str) -> str:
         return ownership.marker(self.host_id, instance_id)
 
     def key_hash(self, key: str) -> str:
         return ownership.key_fingerprint(self.host_id, key)
-        self._loaded: LoadResult | None = None
 
     # --- lifecycle of the service ----------------------------------------------------------------
 
@@ -113,7 +114,8 @@ class InstanceManager:
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
         self.host_id = await asyncio.to_thread(ownership.load_host_id, self.settings.config_file)
-        self.log_backends()
+        # Off the start-up path (it looks for executables and Python packages).
+        self._facts_task = asyncio.create_task(asyncio.to_thread(self.log_backends))
         if result.roles:
             self.roles = result.roles
         for stored in result.records:
@@ -257,7 +259,7 @@ class InstanceManager:
 
     async def shutdown(self) -> None:
         """Service stop: stop backends (or leave them serving) and persist."""
-        for task in (self._boot_task, self._sweep_task, self._prune_task):
+        for task in (self._boot_task, self._sweep_task, self._prune_task, self._facts_task):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -457,6 +459,16 @@ class InstanceManager:
             backend = self.backends.for_type(config.backend_type)
         except KeyError:
             backend = None
+        if backend is not None:
+            # Accepted (the operator may install it before the start), but said at once.
+            from solar_host.backends.availability import describe
+
+            found = describe(backend, self.facts())
+            if not found.available:
+                msg = f"backend {config.backend_type} cannot run on this host: {found.reason}"
+                log.warning("config of %s: %s", config.alias, msg)
+                if warnings is not None:
+                    warnings.append(msg)
         refuse = getattr(backend, "create_refusals", None)
         for r in refuse(config, self.facts()) if refuse is not None else ():
             errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
