@@ -220,7 +220,7 @@ def test_config_rules(tmp_path: Path) -> None:
     bad({"backend_type": "huggingface_causal", "alias": "a"}, "", "Either 'model_id'")
     bad({"backend_type": "nope", "alias": "a"}, "backend_type", "Unknown backend_type")
     bad({**base, "model_source": "repo://m:1", "model": None}, "model_source", "POST /models/pull")
-    bad({**base, "model": "../outside.gguf"}, "model", "outside the allowed model roots")
+    bad({**base, "model": "../outside.gguf"}, "model", "outside of MODELS_DIR")
     bad({**base, "model": None, "model_source": "local://../x.gguf"}, "model_source", "outside")
     bad(
         {"backend_type": "sglang", "alias": "a", "model_path": "/m", "extra_args": ["--por", "1"]},

@@ -189,7 +189,12 @@ def test_parser_errors_and_restart_clear_in_flight() -> None:
 
 def test_instance_config_parse_round_trip() -> None:
     c = parse_config(
-        {"backend_type": "huggingface_embedding", "alias": "e", "model_id": "/m", "extra": 1},
+        {
+            "backend_type": "huggingface_embedding",
+            "alias": "e",
+            "model_id": "/models/m",
+            "extra": 1,
+        },
         models_dir=Path("/models"),
     )
     spec = BACKEND.launch(c, ctx())

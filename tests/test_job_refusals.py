@@ -1,6 +1,7 @@
 """Job specs say no (issue 17), against a real dockerd: step fields that would widen a
 container's privileges, and fields the host does not implement, are a 422 naming them (not a
-202 that silently drops them); the HF cache is mounted read-only unless a step asks."""
+202 that silently drops them); the HF cache is mounted read-only unless a step writes it
+(`hf_cache_write`, by default only preparation steps); step logs are bounded."""
 
 from __future__ import annotations
 
@@ -99,6 +100,15 @@ async def test_hf_cache_is_read_only_unless_a_step_asks(
         rw = await wait_for(client, "rw-1", finished, within=60)
         assert rw["status"] == "completed", rw
         assert (hf / "written").read_text() == "new\n"
+        # A preparation step downloads models: it writes by default, unless it says no.
+        prep = sh("p", dockerd.image, 'echo prep > "$HF_HOME/prep"', is_preparation_step=True)
+        r = await client.post("/jobs", json=job_body("prep-1", prep))
+        assert (await wait_for(client, "prep-1", finished, within=60))["status"] == "completed"
+        assert (hf / "prep").read_text() == "prep\n"
+        no = {**prep, "hf_cache_write": False, "command": ["sh", "-c", 'echo x > "$HF_HOME/no"']}
+        r = await client.post("/jobs", json=job_body("prep-2", no))
+        assert (await wait_for(client, "prep-2", finished, within=60))["status"] == "failed"
+        assert not (hf / "no").exists()
 
 
 async def test_step_logs_are_bounded(

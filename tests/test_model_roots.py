@@ -256,11 +256,11 @@ async def test_start_checks_again_and_spawns_nothing(tree: dict[str, Path]) -> N
         link.symlink_to(tree["outside"] / "secret.gguf")
         r = await c.post(f"/instances/{iid}/start")
         assert r.status_code >= 400, r.text
-        assert "outside the allowed model roots" in r.text and "model" in r.text
+        assert "outside of MODELS_DIR" in r.text and "model" in r.text
         assert "GGUF secret" not in r.text
         inst = (await c.get(f"/instances/{iid}")).json()
         assert inst["status"] == "failed" and inst["pid"] is None
-        assert "outside the allowed model roots" in inst["error_message"]
+        assert "outside of MODELS_DIR" in inst["error_message"]
         # Nothing was spawned: no log file was even opened for it.
         assert not list((tree["root"] / "logs").glob(f"*{iid}*"))
 

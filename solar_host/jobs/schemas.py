@@ -147,10 +147,10 @@ class StepDefinition(BaseModel):
     environment: dict[str, str] = Field(default_factory=dict)
     gpu: GpuRequest | None = None
     is_preparation_step: bool = False
-    hf_cache_write: bool = Field(
-        default=False,
-        description="Mount the host's HF cache read-write (default read-only): for a step "
-        "that downloads models into the shared cache.",
+    hf_cache_write: bool | None = Field(
+        default=None,
+        description="Mount the host's HF cache read-write. Default: only for preparation "
+        "steps (they download the models the job uses); every other step reads it only.",
     )
 
     @model_validator(mode="before")
@@ -180,6 +180,12 @@ class StepDefinition(BaseModel):
     @classmethod
     def _name(cls, v: str) -> str:
         return validate_slug(v, "step name")
+
+    @property
+    def writes_hf_cache(self) -> bool:
+        if self.hf_cache_write is None:
+            return self.is_preparation_step
+        return self.hf_cache_write
 
     @field_validator("image")
     @classmethod

@@ -141,10 +141,11 @@ def container_spec(
         str(root / "data"): {"bind": f"{WORKSPACE}/data", "mode": inputs},
         str(root / "output"): {"bind": f"{WORKSPACE}/output", "mode": "rw"},
         str(root / "config"): {"bind": f"{WORKSPACE}/config", "mode": "rw"},
-        # Read-only unless the step asks: one job must not rewrite the models others load.
+        # Read-only unless the step writes it (a preparation step, or hf_cache_write): one
+        # job's training step must not rewrite the models other jobs and instances load.
         str(default_hf_cache(settings).absolute()): {
             "bind": HF_HOME_IN_CONTAINER,
-            "mode": "rw" if step.hf_cache_write else "ro",
+            "mode": "rw" if step.writes_hf_cache else "ro",
         },
     }
     return ContainerSpec(

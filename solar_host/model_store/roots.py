@@ -56,8 +56,8 @@ def confine(value: str, roots: Sequence[Path], field: str) -> Path:
             return real
     raise OutsideRoots(
         field,
-        f"{field} '{value}' is outside the allowed model roots (MODELS_DIR and MODEL_ROOTS: "
-        f"{describe_roots(roots)})",
+        f"{field} '{value}' resolves outside of MODELS_DIR and MODEL_ROOTS "
+        f"(allowed roots: {describe_roots(roots)})",
     )
 
 
