@@ -55,7 +55,8 @@ async def gpu_need(h, config: dict) -> int:
 
 async def test_estimate_endpoints(tmp_path: Path, model: Path) -> None:
     probe = FakeProbe(gpus=[(24, 4)])
-    async with running_host(host_settings(tmp_path), backends=registry(), probe=probe) as h:
+    settings = host_settings(tmp_path, model_roots=str(model.parent))
+    async with running_host(settings, backends=registry(), probe=probe) as h:
         config = cfg(tmp_path, model)
         r = await h.client.post("/instances/estimate", json={"config": config})
         assert r.status_code == 200, r.text
@@ -101,7 +102,8 @@ async def test_estimate_endpoints(tmp_path: Path, model: Path) -> None:
 
 async def test_start_that_does_not_fit_is_refused_fast(tmp_path: Path, model: Path) -> None:
     probe = FakeProbe(gpus=[(80, 0)])
-    async with running_host(host_settings(tmp_path), backends=registry(), probe=probe) as h:
+    settings = host_settings(tmp_path, model_roots=str(model.parent))
+    async with running_host(settings, backends=registry(), probe=probe) as h:
         config = cfg(tmp_path, model, "--ready-after", "0.1")
         need = await gpu_need(h, config)
         probe.set_gpus(*free_mib(need / MIB * 0.5))
@@ -142,7 +144,7 @@ async def test_start_that_does_not_fit_is_refused_fast(tmp_path: Path, model: Pa
 
 async def test_twenty_concurrent_starts_take_only_what_fits(tmp_path: Path, model: Path) -> None:
     probe = FakeProbe(gpus=[(80, 0)], ram=(64, 4))
-    settings = host_settings(tmp_path, max_retries=0)
+    settings = host_settings(tmp_path, max_retries=0, model_roots=str(model.parent))
     async with running_host(settings, backends=registry(), probe=probe) as h:
         base = cfg(tmp_path, model, "--ready-after", "2")
         need = await gpu_need(h, base)
@@ -179,7 +181,8 @@ async def test_twenty_concurrent_starts_take_only_what_fits(tmp_path: Path, mode
 
 async def test_placement_reaches_the_backend(tmp_path: Path, model: Path) -> None:
     probe = FakeProbe(gpus=[(80, 0)])
-    async with running_host(host_settings(tmp_path), backends=registry(), probe=probe) as h:
+    settings = host_settings(tmp_path, model_roots=str(model.parent))
+    async with running_host(settings, backends=registry(), probe=probe) as h:
         config = cfg(tmp_path, model, "--ready-after", "0.1")
         need = await gpu_need(h, config) / MIB
         probe.set_gpus(*free_mib(need * 2, need * 0.5, need * 3, need * 1.5, total_gib=2.0))
@@ -236,7 +239,7 @@ async def test_crash_restart_is_fit_checked_too(
     tmp_path: Path, model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     probe = FakeProbe(gpus=[(80, 0)])
-    settings = host_settings(tmp_path, restart_backoff_s=0.1)
+    settings = host_settings(tmp_path, restart_backoff_s=0.1, model_roots=str(model.parent))
     async with running_host(settings, backends=registry(), probe=probe) as h:
         config = cfg(tmp_path, model, "--ready-after", "0.1", "--exit-after", "1.0")
         need = await gpu_need(h, config)

@@ -178,7 +178,7 @@ def test_server_refuses_an_unknown_flag() -> None:
 async def test_create_refuses_fields_xllamacpp_cannot_honour(
     tmp_path: Path, tiny_gguf: Path, bare_path: None
 ) -> None:
-    async with running_host(host_settings(tmp_path)) as h:
+    async with running_host(host_settings(tmp_path, model_roots=str(tiny_gguf.parent))) as h:
         r = await h.client.post(
             "/instances", json={"config": _cfg(tiny_gguf, devices="CUDA0,CUDA1")}
         )
@@ -218,7 +218,7 @@ async def test_host_serves_llama_through_xllamacpp(
     tmp_path: Path, tiny_gguf: Path, bare_path: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="solar_host")
-    async with running_host(host_settings(tmp_path)) as h:
+    async with running_host(host_settings(tmp_path, model_roots=str(tiny_gguf.parent))) as h:
         root = (await h.client.get("/")).json()
         assert "llamacpp" in root["supported_backends"]
         entry = root["backends"]["llamacpp"]
@@ -267,7 +267,7 @@ async def test_host_serves_llama_through_xllamacpp(
 
 @needs_xllamacpp
 def test_xllamacpp_backend_is_readopted_after_host_kill(tmp_path: Path, tiny_gguf: Path) -> None:
-    env = {"LLAMA_SERVER_BIN": "", "PATH": BARE_PATH}
+    env = {"LLAMA_SERVER_BIN": "", "PATH": BARE_PATH, "MODEL_ROOTS": str(tiny_gguf.parent)}
     with HostProc(tmp_path / "host", backend="real", env=env) as host:
         host.start()
         with host.client() as c:

@@ -161,6 +161,9 @@ def test_real_llama_server_behind_an_exec_wrapper_is_readopted(tmp_path: Path) -
 
 
 def test_two_hosts_sharing_a_log_dir_never_touch_each_others_backends(tmp_path: Path) -> None:
+    """Two state directories, one LOG_DIR: the LOG_DIR lock lets only one host live at a time,
+    and each one's boot sweep spares the other's backends (they carry another host's marker),
+    whatever directory their logs are in."""
     logs = tmp_path / "shared-logs"
     with (
         HostProc(tmp_path / "a", env={"LOG_DIR": str(logs)}) as a,
@@ -170,19 +173,29 @@ def test_two_hosts_sharing_a_log_dir_never_touch_each_others_backends(tmp_path: 
         with a.client() as c:
             ia = create(c, a, "a")
             pid_a = start(c, ia)["pid"]
+        b.start(wait=False)
+        assert b.proc is not None and b.proc.wait(timeout=60) == 1  # LOG_DIR is a's
+        assert "in use by another solar-host" in b.log()
+        a.kill()
         b.start()
         with b.client() as c:
             ib = create(c, b, "b")
             pid_b = start(c, ib)["pid"]
         for _ in range(2):
-            b.restart()
-            a.restart()
-            time.sleep(0.5)  # the boot sweeps run in the background
-            for h, iid, pid in ((a, ia, pid_a), (b, ib, pid_b)):
-                with h.client() as c:
-                    inst = get(c, iid)
-                assert inst["status"] == "running" and inst["pid"] == pid, inst
-            assert ours(a) == {ia: [pid_a]} and ours(b) == {ib: [pid_b]}
+            for up, down in ((a, b), (b, a)):
+                down.kill()
+                up.start()
+                time.sleep(0.5)  # the boot sweep runs in the background
+                assert alive(pid_a) and alive(pid_b)
+        a.kill()
+        b.kill()
+        for h, iid, pid in ((a, ia, pid_a), (b, ib, pid_b)):
+            h.start()
+            with h.client() as c:
+                inst = get(c, iid)
+            assert inst["status"] == "running" and inst["pid"] == pid, inst
+            h.kill()
+        assert ours(a) == {ia: [pid_a]} and ours(b) == {ib: [pid_b]}
         assert ownership.host_id_path(a.tmp / "config.json").stat().st_mode & 0o777 == 0o600
 
 

@@ -65,7 +65,7 @@ async def test_start_fails_at_once_naming_field_and_file(tmp_path: Path, case: s
         "not_gguf": (_cfg(bad), "model", "weights.bin"),
         "not_gguf_mmproj": (_cfg(good, mmproj=str(bad)), "mmproj", "weights.bin"),
         "missing_template": (
-            _cfg(good, chat_template_file=str(tmp_path / "t.jinja")),
+            _cfg(good, chat_template_file=str(tmp_path / "models" / "t.jinja")),
             "chat_template_file",
             "t.jinja",
         ),
