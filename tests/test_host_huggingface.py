@@ -44,7 +44,7 @@ HF_TYPES = {
     "huggingface_vision",
 }
 BEARER = {"Authorization": f"Bearer {API_KEY}"}
-READY_TIMEOUT_S = 90.0  # a failed start must come back far sooner: it ends on the exit
+READY_TIMEOUT_S = 300.0  # loaded 2-core machine; a failed start must come back far sooner
 
 
 def hf_config(backend_type: str, model: Path, alias: str, **extra: Any) -> dict[str, Any]:
@@ -474,7 +474,7 @@ async def test_stop_ends_every_backend(hosts: HFHosts, tiny_hf_models: TinyHFMod
         )
         pids = []
         for s in mine:
-            assert s.response.status_code == 200, (s.response.text, tail_of(hosts.sub_log))
+            assert s.response.status_code == 200, s.response.json().get("log_tail")
             inst = s.response.json()["instance"]
             assert inst["status"] == "running" and psutil.pid_exists(inst["pid"])
             pids.append(inst["pid"])

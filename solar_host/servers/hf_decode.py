@@ -210,7 +210,10 @@ class DecodeScheduler:
             x[i, width - len(r.ids) :] = torch.tensor(r.ids, dtype=torch.long)
             m[i, width - len(r.ids) :] = 1
         x, m = x.to(self.device), m.to(self.device)
-        cache = DynamicCache(config=self.model.config)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers 4.x: no config argument
+            cache = DynamicCache()
         pos = (m.cumsum(1) - 1).clamp(min=0)
         out = self.model(
             input_ids=x,
@@ -223,7 +226,10 @@ class DecodeScheduler:
         self.prefills += 1
         self.admitted += len(reqs)
         if self._mergeable is None:
-            self._mergeable = all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+            layers = getattr(cache, "layers", None)  # transformers 4.x caches have none
+            self._mergeable = bool(layers) and all(
+                type(layer).__name__ == "DynamicLayer" for layer in layers
+            )
         rows = [
             _Row(r, StopScanner(r.params.stop), _generator(r.params, self.device)) for r in reqs
         ]

@@ -25,11 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import hmac
 import itertools
 import json
+import logging
 import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -345,6 +348,7 @@ class HFServer:
         rid, t0 = self.begin(endpoint)
         try:
             body = parse_body(await self.read_body(request))
+            _REQUEST.set(request)
             return await handler(body, rid, t0)
         except APIError as err:
             self.fail(rid, endpoint, err.status, err.message)
@@ -467,7 +471,7 @@ class HFServer:
         if not params.stream:
             run = self._start(inputs, params, False, cancel)
             try:
-                res = await run.result()
+                res = await _unless_disconnected(run.result(), _REQUEST.get(None))
             except BaseException:
                 cancel.set()  # e.g. the request task was cancelled: free the row
                 raise
@@ -644,6 +648,41 @@ class HFServer:
         }
 
 
+# The request being handled, for the handlers that watch for its client leaving.
+_REQUEST: contextvars.ContextVar[Request] = contextvars.ContextVar("hf_request")
+
+
+class ClientGone(APIError):
+    def __init__(self) -> None:
+        super().__init__(499, "client disconnected", code="client_disconnected")
+
+
+async def _unless_disconnected(work: Awaitable[Any], request: Request | None) -> Any:
+    """`work`'s result; ClientGone (and `work` cancelled) if the client hangs up first.
+
+    A non-streamed generation sends nothing until it ends, so only the connection closing
+    says that nobody waits for it any more (ASGI's http.disconnect, once the body is read).
+    """
+    task = asyncio.ensure_future(work)
+    if request is None:
+        return await task
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watch.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone()
+    return task.result()
+
+
 def _usage(res: Any) -> dict[str, Any]:
     return {
         "prompt_tokens": res.prompt_tokens,
@@ -781,9 +820,38 @@ def _log_config() -> dict[str, Any]:
     }
 
 
+def bind_early(host: str, port: int) -> socket.socket:
+    """Bind (not listen on) the port before the model loads, as uvicorn would bind it.
+
+    Loading takes seconds (tens on a loaded machine): a port the host found free could be
+    taken in that time by any other process that asks the kernel for a free port, and the
+    backend would die at the end of its load. Bound but not listening, the port is ours from
+    the first moment, and a client that connects early is refused at once rather than left
+    waiting in a backlog; uvicorn starts listening on it when the app is ready.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     keys = keys_from_env()
+    try:
+        sock = bind_early(args.host, args.port)
+    except OSError as err:
+        print(
+            f"[FATAL] Cannot bind {args.host}:{args.port}: {err} (another process has the port)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     log_line(f"Loading {args.model_type} model {args.model_id} as '{args.alias}'")
     from solar_host.servers.hf_runtime import (
         LoadError,
@@ -831,8 +899,19 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
-    server = uvicorn.Server(config)
-    server.run()
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn logs this only for sockets it bound itself
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                    f"[{args.host}]" if ":" in args.host else args.host,
+                    args.port,
+                )
+
+    server = Server(config)
+    server.run(sockets=[sock])
     if not server.started:
         print("[FATAL] HTTP server did not start (see the error above)", file=sys.stderr)
         return 1
