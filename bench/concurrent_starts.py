@@ -10,16 +10,12 @@ loop): solar-control reads a host that does not answer /health as down.
 
 Target: /health p99 under 100 ms during the starts (the existing release: stalls up to 6.1 s).
 Run: `.venv/bin/python bench/concurrent_starts.py [--count 200] [--ready-after 1]`.
-`--debug-loop` runs the host with asyncio's debug mode and prints the slowest callbacks it
-logged ("Executing ... took N seconds"): what blocked the loop (debug mode slows everything,
-so its latency figures are not comparable).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import sys
 import tempfile
@@ -66,21 +62,8 @@ async def probe_health(url: str, stop: asyncio.Event, out: list[float]) -> None:
             await asyncio.sleep(PROBE_EVERY_S)
 
 
-def slow_callbacks(log: str, top: int = 8) -> list[str]:
-    """asyncio debug-mode warnings about callbacks that held the loop, slowest first."""
-    found = []
-    for line in log.splitlines():
-        m = re.search(r"Executing (.*) took (\d+\.\d+) seconds", line)
-        if m:
-            found.append((float(m.group(2)), m.group(1)[:220]))
-    found.sort(reverse=True)
-    return [f"{t * 1000:7.1f} ms  {what}" for t, what in found[:top]]
-
-
-async def run(count: int, ready_after: float, idle_s: float, debug_loop: bool = False) -> int:
+async def run(count: int, ready_after: float, idle_s: float) -> int:
     env = {"INSTANCE_READY_TIMEOUT_S": "300", "LOG_LEVEL": "warning"}
-    if debug_loop:
-        env["PYTHONASYNCIODEBUG"] = "1"
     with tempfile.TemporaryDirectory() as tmp, HostProc(Path(tmp) / "host", env=env) as host:
         startup_s = await asyncio.to_thread(host.start, timeout=60)
         print(f"host up in {startup_s:.2f} s (pid {host.pid}); creating {count} instances")
@@ -132,11 +115,6 @@ async def run(count: int, ready_after: float, idle_s: float, debug_loop: bool = 
                 f"(existing release: stalls up to 6.1 s)"
             )
             print(f"host CPU so far: user {cpu.user:.1f} s, system {cpu.system:.1f} s")
-            if debug_loop:
-                log = (host.tmp / "host.log").read_text("utf-8", "replace")
-                print("slowest callbacks on the host's loop (asyncio debug mode):")
-                for line in slow_callbacks(log) or ["  none over 100 ms"]:
-                    print(" ", line)
 
             await asyncio.gather(
                 *(client.post(f"/instances/{iid}/stop") for iid in ids), return_exceptions=True
@@ -149,9 +127,8 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=200, help="instances started at once")
     ap.add_argument("--ready-after", type=float, default=1.0, help="backend load time (s)")
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of the idle measurement")
-    ap.add_argument("--debug-loop", action="store_true", help="report what blocked the loop")
     args = ap.parse_args()
-    return asyncio.run(run(args.count, args.ready_after, args.idle, args.debug_loop))
+    return asyncio.run(run(args.count, args.ready_after, args.idle))
 
 
 if __name__ == "__main__":

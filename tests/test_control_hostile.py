@@ -69,6 +69,18 @@ async def registered(server: ControlServer, within_s: float = 20) -> str:
     return sid
 
 
+async def new_session_synced(server: ControlServer, old: set[str], within_s: float = 30) -> str:
+    """The sid of a session other than `old` on which the host has sent host_health (so it
+    had registration_ack: only an acknowledged host reports health)."""
+    return await server.wait_until(
+        lambda: next(
+            (r.sid for r in server.received if r.event == "host_health" and r.sid not in old),
+            None,
+        ),
+        within_s,
+    )
+
+
 @pytest.fixture
 async def hostile(tmp_path):
     server = ControlServer(known_keys={API_KEY: "host-1"})
@@ -169,20 +181,21 @@ async def test_hostile_control_never_wedges_the_link_and_memory_stays_bounded(ho
             ("registration_ack", {"host_id": "host-1", "host_name": "h", "timestamp": "t"}),
         ]
         await server.drop(sid)
-        await server.wait_until(lambda: len(server.connects) == 2, within_s=10)
+        # The host synced on the new session: it took the ack after the rejection.
+        taken_back = await new_session_synced(server, {sid})
         server.connect_script = None
-        await server.drop()
-        sid = await server.wait_until(
-            lambda: len(server.connects) == 3 and len(server.sids) == 1 and next(iter(server.sids)),
-            within_s=10,
-        )
+        await server.drop(taken_back)
+        sid = await new_session_synced(server, {sid, taken_back})
+        assert len(server.connects) == 3
         peaks["rejected_then_ack"] = sampler.peak_mb
 
         # 5. A control that accepts the socket and never acknowledges anything.
         server.connect_script = []
         await server.drop(sid)
-        silent = await server.wait_until(lambda: len(server.connects) == 4 and server.live, 10)
-        silent_sid = silent[0]
+        silent_sid = await server.wait_until(
+            lambda: len(server.connects) == 4 and next((x for x in server.live if x != sid), None),
+            10,
+        )
         await server.wait_until(
             lambda: (
                 sum(r.sid == silent_sid and r.event == "registration" for r in server.received) >= 2
@@ -193,7 +206,7 @@ async def test_hostile_control_never_wedges_the_link_and_memory_stays_bounded(ho
         peaks["never_ack"] = sampler.peak_mb
         server.connect_script = None
         await server.drop(silent_sid)
-        await registered(server)
+        await new_session_synced(server, {sid, silent_sid, taken_back})
 
     await healthy(host)
     print(f"flood: {len(created)} created, {lists} lists in {flood_s:.1f} s; RSS peaks MB {peaks}")
