@@ -95,7 +95,7 @@ def main() -> int:
     for n in sizes:
         with tempfile.TemporaryDirectory(prefix="config-writes-") as tmp:
             with HostProc(Path(tmp), backend="real", env={"LOG_LEVEL": "warning"}) as h:
-                h.start(timeout=60)
+                h.start(timeout=180)
                 model = h.tmp / "models" / "m.gguf"
                 model.parent.mkdir(parents=True, exist_ok=True)
                 model.write_bytes(b"GGUF")

@@ -113,6 +113,7 @@ def restore_state(
         if dry_run:
             continue
         data = prev.read_bytes()
-        os.replace(path, aside)
+        if os.path.lexists(path):
+            os.replace(path, aside)
         atomic_write_bytes(path, data, PRIVATE)
     return 1 if left_damaged else 0

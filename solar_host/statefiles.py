@@ -57,10 +57,16 @@ def describe_damage(path: Path, error: str) -> str:
 
 def read_state_bytes(path: Path) -> bytes | None:
     """The file's bytes; None when it does not exist (a first start). Refuses what is there but
-    cannot be read (a directory in its place, no permission, an I/O error)."""
+    cannot be read (a directory in its place, no permission, an I/O error), and a file that is
+    missing while its last good copy exists: writes only ever replace the file, so it was
+    removed from outside, and starting empty would lose what it held."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
+        if last_good_path(path).is_file():
+            raise StateFileError(
+                path, "the file is missing but its last good copy exists"
+            ) from None
         return None
     except OSError as err:
         raise StateFileError(path, err.strerror or str(err)) from None

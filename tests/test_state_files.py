@@ -246,6 +246,17 @@ def test_restore_state_puts_the_last_good_copy_back_and_keeps_the_damaged_file(
     assert all(": ok" in line for line in said)
 
 
+def test_a_state_file_removed_while_its_last_good_copy_exists_is_refused(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(api_key="k" * 20, config_file=tmp_path / "config.json")
+    (tmp_path / "config.json.prev").write_text('{"roles": ["inference"], "instances": []}')
+    with pytest.raises(StateFileError, match="missing but its last good copy exists"):
+        InstanceStore(tmp_path / "config.json", tmp_path).load()
+    assert restore_state(settings, say=lambda _: None) == 0
+    assert InstanceStore(tmp_path / "config.json", tmp_path).load().records == []
+
+
 def test_restore_state_without_a_usable_copy_changes_nothing_and_fails(tmp_path: Path) -> None:
     settings = Settings(api_key="k" * 20, config_file=tmp_path / "config.json")
     cfg = tmp_path / "config.json"

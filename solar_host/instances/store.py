@@ -174,13 +174,6 @@ class InstanceStore:
         """Read config.json. Raises StateFileError for a file that is there but unusable."""
         raw = read_state_bytes(self.path)
         if raw is None:
-            if self.last_good_path.is_file():
-                log.warning(
-                    "%s does not exist but %s does: starting with no instances "
-                    "(solar-host restore-state puts the last good copy back)",
-                    self.path,
-                    self.last_good_path,
-                )
             return LoadResult()
         result = self.parse(raw)
         sweep_temp_files(self.path)  # only once the file is known good

@@ -25,6 +25,7 @@ from solar_host.statefiles import (
     StateFileError,
     atomic_write_bytes,
     decode_text,
+    last_good_path,
     read_state_bytes,
     sweep_temp_files,
     tighten_mode,
@@ -100,6 +101,7 @@ class JobStore:
         sweep_temp_files(self.path)  # only once the file is known good
         self._loaded_from_disk = True
         tighten_mode(self.path)
+        tighten_mode(last_good_path(self.path))
         interrupted = []
         for item in raw.get("jobs", []):
             try:

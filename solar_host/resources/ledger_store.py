@@ -21,6 +21,7 @@ from solar_host.statefiles import (
     StateFileError,
     atomic_write_bytes,
     decode_text,
+    last_good_path,
     read_state_bytes,
     sweep_temp_files,
     tighten_mode,
@@ -110,6 +111,7 @@ class ReservationStore:
             out.append(res)
         self.on_disk = raw
         tighten_mode(self.path)
+        tighten_mode(last_good_path(self.path))
         sweep_temp_files(self.path)  # only once the file is known good
         if out:
             log.info("%d reservation(s) restored from %s", len(out), self.path)
