@@ -69,6 +69,18 @@ def get(c: httpx.Client, iid: str) -> dict[str, Any]:
     return c.get(f"/instances/{iid}").json()
 
 
+def on_disk_status(h: HostProc, iid: str) -> str | None:
+    """The status config.json holds for `iid` (what a host killed now leaves to the next)."""
+    import json
+
+    with contextlib.suppress(OSError, ValueError):
+        doc = json.loads((h.tmp / "config.json").read_text())
+        for entry in doc.get("instances", []):
+            if entry["instance"]["id"] == iid:
+                return entry["instance"]["status"]
+    return None
+
+
 def in_background(fn: Callable[[], Any]) -> threading.Thread:
     def run() -> None:
         with contextlib.suppress(httpx.HTTPError):
@@ -364,7 +376,7 @@ def test_stop_lost_in_a_host_crash_is_finished_and_never_restarted(tmp_path: Pat
             iid = create(c, h, "s", "--ignore-sigterm")
             pid = start(c, iid)["pid"]
             t = in_background(lambda: h.client().post(f"/instances/{iid}/stop"))
-            wait_for(lambda: get(c, iid)["status"] == "stopping", 10, "stopping")
+            wait_for(lambda: on_disk_status(h, iid) == "stopping", 10, "the stop on disk")
         time.sleep(0.5)
         h.kill()
         t.join(10)
@@ -385,7 +397,8 @@ def test_restart_lost_in_a_host_crash_ends_running_once(tmp_path: Path) -> None:
             iid = create(c, h, "r", "--ignore-sigterm")
             pid = start(c, iid)["pid"]
             t = in_background(lambda: h.client().post(f"/instances/{iid}/restart"))
-            wait_for(lambda: get(c, iid)["status"] == "stopping", 10, "stopping")
+            # Killed once the restart is on disk (before that, the backend is simply adopted).
+            wait_for(lambda: on_disk_status(h, iid) == "stopping", 10, "the restart on disk")
         h.kill()
         t.join(10)
         h.start()

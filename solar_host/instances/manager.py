@@ -133,9 +133,13 @@ class InstanceManager:
         the sweep of strays all continue in the background.
         """
 
+        # One read of the socket tables for every adoption (it is large on a busy machine).
+        recorded = any(s.stored.process is not None for s in self.supervisors.values())
+        listening = await asyncio.to_thread(ownership.listeners) if recorded else {}
+
         async def adopt(sup: Supervisor) -> str:
             try:
-                return await sup.adopt()
+                return await sup.adopt(listening)
             except Exception:
                 log.exception("re-adoption of %s failed", sup.id)
                 return "gone"

@@ -245,9 +245,15 @@ def _holds_socket(pid: int, inodes: set[int]) -> bool:
     return False
 
 
-def owns_port(identity: Identity, port: int, expected_marker: str | None) -> bool:
-    """True when the socket listening on `port` belongs to the backend's process tree."""
-    inodes = listener_inodes(port)
+def owns_port(
+    identity: Identity,
+    port: int,
+    expected_marker: str | None,
+    listening: dict[int, set[int]] | None = None,
+) -> bool:
+    """True when the socket listening on `port` belongs to the backend's process tree.
+    `listening`: a listeners() snapshot, when the caller checks many backends at once."""
+    inodes = (listening.get(port, set()) - {0}) if listening is not None else listener_inodes(port)
     if not inodes or not is_same(identity):
         return False
     pid = identity.pid

@@ -681,13 +681,14 @@ class Supervisor:
         marker = ownership.marker_of(rec.pid)
         return procs.BackendProcess(ident, marker if marker == expected else None), ""
 
-    async def adopt(self) -> str:
+    async def adopt(self, listening: dict[int, set[int]] | None = None) -> str:
         """Take back a backend the host left running, fast: identity, marker and listener only
         (the API binds only after every supervisor answered). Slower work (log attach, health,
         readiness of a backend still loading) continues in the background.
 
         Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
         host died: it is finished in the background) or "gone" (nothing of ours to adopt).
+        `listening`: ownership.listeners() read once for every adoption of a boot.
         """
         rec = self.stored.process
         if rec is None:
@@ -707,8 +708,8 @@ class Supervisor:
             self.m.changed(self.id, S.STOPPING.value, "finishing stop")
             self.start_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
             return "stopping"
-        listening = await asyncio.to_thread(
-            ownership.owns_port, proc.identity, rec.port, proc.marker
+        listening_ours = await asyncio.to_thread(
+            ownership.owns_port, proc.identity, rec.port, proc.marker, listening
         )
         backend = self.backend()
         config = inst.config
@@ -718,7 +719,7 @@ class Supervisor:
             "supported_endpoints": backend.supported_endpoints(config),
             "served_model_name": backend.served_model_name(config),
         }
-        if inst.status == S.RUNNING and listening:
+        if inst.status == S.RUNNING and listening_ours:
             self.set_status(
                 S.RUNNING,
                 reason="adopted",
