@@ -67,6 +67,7 @@ class StagedApp:
         # runner, SIGTERM (the runner's own graceful stop) does it.
         self.request_exit: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
         self._watchdog: asyncio.Task[None] | None = None
+        self.startup_refused = False
         self._hand_over_installed = False
         self.api: ASGIApp | None = None
         self.api_error: str | None = None
@@ -136,6 +137,9 @@ class StagedApp:
         try:
             await self.host.start()
         except StartupError as err:
+            # The message is the whole story (one line naming what to fix): uvicorn's own
+            # "Application startup failed" line after it says nothing more.
+            self.startup_refused = True
             await send({"type": "lifespan.startup.failed", "message": f"solar-host: {err}"})
             return
         except Exception as err:
@@ -248,6 +252,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
             app, host=settings.host, port=settings.port, log_config=None, access_log=False
         )
         server = _notifying_server(config, on_started=app.notify_ready)
+        logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
         app.ready_on_lifespan = False
         app.request_exit = lambda: setattr(server, "should_exit", True)
         try:
@@ -262,6 +267,19 @@ def serve(settings: Settings, **overrides: Any) -> int:
         if app is not None:
             app.host.release()
         gc.enable()
+
+
+class _OneLineRefusal(logging.Filter):
+    """Drops uvicorn's generic line after a start-up the host refused with its own reason."""
+
+    def __init__(self, app: StagedApp) -> None:
+        super().__init__()
+        self.app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            self.app.startup_refused and record.getMessage().startswith("Application startup")
+        )
 
 
 def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:

@@ -55,7 +55,7 @@ def test_version(tmp_path: Path) -> None:
 def test_instances_by_alias_id_and_prefix(host: HostProc, tmp_path: Path) -> None:
     c = conn(host)
     # create from flags (--json: the host's answer) and from a JSON file
-    cfg = script_config(tmp_path, "--lines", "hello", alias="tiny:1b")
+    cfg = script_config(host.tmp, "--lines", "hello", alias="tiny:1b")
     rc, out, err = run_cli(
         "create",
         "--backend-type",
@@ -76,7 +76,7 @@ def test_instances_by_alias_id_and_prefix(host: HostProc, tmp_path: Path) -> Non
     first = json.loads(out)["instance"]
     assert first["config"]["alias"] == "tiny:1b" and first["config"]["ctx_size"] == 2048
     spec = tmp_path / "other.json"
-    spec.write_text(json.dumps(script_config(tmp_path, alias="other:1b")))
+    spec.write_text(json.dumps(script_config(host.tmp, alias="other:1b")))
     rc, out, err = run_cli("create", "--file", str(spec), *c, cwd=tmp_path)
     assert rc == 0, err
     assert out.startswith("created ") and "(other:1b)" in out
@@ -99,13 +99,13 @@ def test_instances_by_alias_id_and_prefix(host: HostProc, tmp_path: Path) -> Non
     dup = [first["id"], other_id]
     with host.client() as http:
         for _ in range(2):
-            r = http.post("/instances", json={"config": script_config(tmp_path, alias="dup")})
+            r = http.post("/instances", json={"config": script_config(host.tmp, alias="dup")})
             assert r.status_code == 200, r.text
         dups = [i["id"] for i in http.get("/instances").json() if i["config"]["alias"] == "dup"]
         ids = [i["id"] for i in http.get("/instances").json()]
         # enough instances that two ids share a first character (pigeonhole over 16 digits)
         while len({i[0] for i in ids}) == len(ids):
-            r = http.post("/instances", json={"config": script_config(tmp_path, alias="x")})
+            r = http.post("/instances", json={"config": script_config(host.tmp, alias="x")})
             ids.append(r.json()["instance"]["id"])
     rc, out, err = run_cli("logs", "dup", *c, cwd=tmp_path)
     assert rc == 2 and "'dup' matches 2 instances" in err
@@ -143,7 +143,7 @@ def _phases(out: str) -> list[str]:
 
 def test_start_and_restart_show_phases_until_ready(host: HostProc, tmp_path: Path) -> None:
     c = conn(host)
-    cfg = script_config(tmp_path, "--lines", LOADING, "--ready-after", "1.5", alias="slow:1b")
+    cfg = script_config(host.tmp, "--lines", LOADING, "--ready-after", "1.5", alias="slow:1b")
     spec = tmp_path / "slow.json"
     spec.write_text(json.dumps({"config": cfg}))
     rc, out, err = run_cli("create", "--file", str(spec), *c, cwd=tmp_path)
@@ -178,7 +178,7 @@ def test_start_and_restart_show_phases_until_ready(host: HostProc, tmp_path: Pat
     assert times == sorted(times) and doc["elapsed_s"] >= times[-1]
 
     # a start that fails says why, with the backend's last lines
-    bad = script_config(tmp_path, "--lines", "boom", "--exit-after", "0", "--exit-code", "3")
+    bad = script_config(host.tmp, "--lines", "boom", "--exit-after", "0", "--exit-code", "3")
     spec.write_text(json.dumps({**bad, "alias": "bad:1b"}))
     rc, _, err = run_cli("create", "--file", str(spec), "--start", *c, cwd=tmp_path)
     assert rc == 1 and "boom" in err, err
@@ -194,7 +194,7 @@ def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -
     import termios
 
     c = conn(host)
-    cfg = script_config(tmp_path, "--lines", LOADING, "--ready-after", "2", alias="tty:1b")
+    cfg = script_config(host.tmp, "--lines", LOADING, "--ready-after", "2", alias="tty:1b")
     spec = tmp_path / "tty.json"
     spec.write_text(json.dumps(cfg))
     rc, _, err = run_cli("create", "--file", str(spec), *c, cwd=tmp_path)

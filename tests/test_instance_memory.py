@@ -3,6 +3,8 @@ CPU) beside the estimate, in GET /instances/{id}/usage and /metrics."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,17 +55,31 @@ def test_live_probe_reads_nvml_per_device() -> None:
 
 
 def test_measure_tree_counts_only_its_processes() -> None:
-    me = psutil.Process().pid
-    out = measure_tree(me, {0: {me: GIB, 999_999_999: GIB}, 3: {me: 5}})
-    assert out["cpu"] == pytest.approx(psutil.Process().memory_info().rss, rel=0.5)
-    assert out["cuda:0"] == GIB and out["cuda:3"] == 5
+    # A process of its own: the test runner's tree holds whatever other tests started.
+    # `sleep` (Popen returns after its exec): a small RSS that does not grow while measured.
+    child = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL)
+    try:
+        proc, rss, deadline = psutil.Process(child.pid), -1, time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the loader has mapped what it maps
+            now = proc.memory_info().rss
+            if now == rss:
+                break
+            rss = now
+            time.sleep(0.1)
+        out = measure_tree(child.pid, {0: {child.pid: GIB, 999_999_999: GIB}, 3: {child.pid: 5}})
+        assert out["cpu"] == pytest.approx(rss, rel=0.5)
+        assert out["cuda:0"] == GIB and out["cuda:3"] == 5
+    finally:
+        child.kill()
+        child.wait(timeout=10)
     assert measure_tree(None, {}) == {} and measure_tree(2**22 + 12345, {}) == {}
 
 
 async def test_usage_and_metrics_show_estimate_and_measured(tmp_path: Path, model: Path) -> None:
     probe = FakeProbe(gpus=[(24, 20), (24, 2)])
     backends = BackendRegistry([ScriptBackend()])
-    async with running_host(host_settings(tmp_path), backends=backends, probe=probe) as h:
+    settings = host_settings(tmp_path, model_roots=str(model.parent))
+    async with running_host(settings, backends=backends, probe=probe) as h:
         config = script_config(tmp_path, "--ready-after", "0.1", ctx_size=4096)
         config["model"] = str(model)
         r = await h.client.post("/instances", json={"config": config})

@@ -183,6 +183,8 @@ def test_real_log_yields_generation_metrics(server):
 
 
 def test_metrics_endpoint_maps(server):
+    # Its own request first: the prompt counter must not depend on another test having run.
+    assert _chat(server, HOST_KEY).status_code == 200
     r = httpx.get(
         f"{server.url}/metrics", headers={"Authorization": f"Bearer {HOST_KEY}"}, timeout=10
     )
