@@ -617,7 +617,11 @@ class InstanceManager:
         return entry.view()
 
     async def start(self, instance_id: str) -> Instance:
-        return await self._sup(instance_id).start()
+        inst = await self._sup(instance_id).start()
+        # The answer's state is on disk before the caller hears it: a host killed right after
+        # a start re-adopts that backend as running, not as still loading.
+        await self.persist()
+        return inst
 
     async def stop(self, instance_id: str) -> Instance:
         return await self._sup(instance_id).stop()
@@ -627,7 +631,9 @@ class InstanceManager:
         # The intent stays "running" through the stop (and is on disk before the signal): a
         # host that dies mid-restart finishes the stop at boot and then starts it again.
         await sup.stop(forget_intent=False)
-        return await sup.start()
+        inst = await sup.start()
+        await self.persist()
+        return inst
 
     # --- logs and telemetry ----------------------------------------------------------------------
 
