@@ -200,16 +200,7 @@ class CommandRunner:
         except ValidationError as err:
             return failure(422, _validation_detail(err))
         if wanted is None:
-            try:
-                instance = await instances.create(
-                    body.config,
-                    priority=body.priority.value if body.priority else None,
-                    managed_by=body.managed_by,
-                    intent_id=body.intent_id,
-                )
-            except InstanceError as err:
-                return _instance_failure(err)
-            return {"ok": True, "instance": instance.model_dump(mode="json")}
+            return await _create_answer(instances, body, None)
 
         running = self._creating.get(wanted)
         if running is not None:  # the same create, retried while the first one runs
@@ -222,23 +213,7 @@ class CommandRunner:
         self._creating[wanted] = future
         answer: dict[str, Any]
         try:
-            instance = await instances.create(
-                body.config,
-                priority=body.priority.value if body.priority else None,
-                managed_by=body.managed_by,
-                intent_id=body.intent_id,
-                instance_id=wanted,
-            )
-            answer = {"ok": True, "instance": instance.model_dump(mode="json")}
-        except InstanceConflict as err:
-            existing = _existing(instances, wanted)
-            answer = (
-                {"ok": True, "instance": existing.model_dump(mode="json"), "existing": True}
-                if existing is not None
-                else _instance_failure(err)
-            )
-        except InstanceError as err:
-            answer = _instance_failure(err)
+            answer = await _create_answer(instances, body, wanted)
         except Exception as err:
             answer = failure(500, f"Internal error: {type(err).__name__}: {err}")
             log.exception("socket create of %s failed", wanted)
@@ -249,6 +224,26 @@ class CommandRunner:
             del self._creating[wanted]
         future.set_result(answer)
         return answer
+
+
+async def _create_answer(instances: Any, body: Any, instance_id: str | None) -> dict[str, Any]:
+    """Create the instance (with the caller's id, if any); an id that exists answers with it."""
+    try:
+        instance = await instances.create(
+            body.config,
+            priority=body.priority.value if body.priority else None,
+            managed_by=body.managed_by,
+            intent_id=body.intent_id,
+            instance_id=instance_id,
+        )
+    except InstanceConflict as err:
+        existing = _existing(instances, instance_id) if instance_id is not None else None
+        if existing is None:
+            return _instance_failure(err)
+        return {"ok": True, "instance": existing.model_dump(mode="json"), "existing": True}
+    except InstanceError as err:
+        return _instance_failure(err)
+    return {"ok": True, "instance": instance.model_dump(mode="json")}
 
 
 def _existing(instances: Any, instance_id: str) -> Any:

@@ -615,11 +615,7 @@ class Supervisor:
                 code = await procs.terminate(proc, self.m.settings.stop_grace_s)
                 self.last_exit_code = code
             await self._stop_follower()
-            self.proc = None
-            self.stored.process = None
-            self.m.ports.release(self.instance.port)
-            self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
-            await self.m.persist()
+            await self._record_stopped()
         self._after_stop_hook()
         self.m.prune_logs_soon()
         return self.instance
@@ -819,17 +815,21 @@ class Supervisor:
         self._watch(proc)
         return self.instance
 
+    async def _record_stopped(self) -> None:
+        """The backend is gone: forget its process and port, and say so on disk."""
+        self.proc = None
+        self.stored.process = None
+        self.m.ports.release(self.instance.port)
+        self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
+        await self.m.persist()
+
     async def _finish_stop(self) -> Any:
         """A stop the previous host process did not finish: finish it, then start again only
         when the instance is still wanted (a restart whose stop was under way)."""
         proc = self.proc
         if proc is not None:
             await procs.terminate(proc, self.m.settings.stop_grace_s)
-        self.proc = None
-        self.stored.process = None
-        self.m.ports.release(self.instance.port)
-        self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
-        await self.m.persist()
+        await self._record_stopped()
         self._after_stop_hook()
         log.info("finished the stop of %s that was under way when the host stopped", self.id)
         if self.stored.want_running and not self.deleted:
