@@ -11,12 +11,10 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from solar_host.handover import HandOverError, hand_over, running_host_pid
@@ -24,6 +22,7 @@ from solar_host.sdnotify import Notifier
 from solar_host.statelock import StateLock, StateLocked, is_locked
 from tests.fixtures.host import free_port
 from tests.fixtures.hostproc import HostProc
+from tests.fixtures.pinger import Pinger
 from tests.fixtures.script_backend import script_config
 
 
@@ -57,38 +56,6 @@ def wait_for(cond: Any, timeout: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-class Prober:
-    """Sends a request to a backend every 50 ms and counts the failures."""
-
-    def __init__(self, port: int) -> None:
-        self.url = f"http://127.0.0.1:{port}/health"
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as c:
-            while not self._stop.is_set():
-                try:
-                    r = c.get(self.url)
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failed.append(f"status {r.status_code}")
-                except httpx.HTTPError as err:
-                    self.failed.append(repr(err))
-                self._stop.wait(0.05)
-
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def settled_bytes(path: Path, quiet_s: float = 0.5, timeout: float = 30.0) -> bytes:
@@ -211,7 +178,7 @@ def test_hand_over_signal_leaves_backends_serving_for_the_next_host(tmp_path: Pa
     with HostProc(tmp_path) as h:
         h.start()
         iid, pid, port = start_instance(h)
-        with Prober(port) as probe:
+        with Pinger(port, path="/health") as probe:
             h.proc.send_signal(signal.SIGUSR2)  # type: ignore[union-attr]
             assert h.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
             assert alive(pid)
@@ -220,7 +187,7 @@ def test_hand_over_signal_leaves_backends_serving_for_the_next_host(tmp_path: Pa
                 inst = c.get(f"/instances/{iid}").json()
             assert inst["status"] == "running" and inst["pid"] == pid, inst
             time.sleep(0.3)  # a few more probes against the re-adopted backend
-        assert probe.failed == [] and probe.ok > 5, (probe.failed, probe.ok)
+        assert probe.failures == [] and probe.ok > 5, (probe.failures, probe.ok)
         assert [p.pid for p in h.backends()] == [pid]  # no second backend
         assert "hand-over restart requested" in h.log()
 

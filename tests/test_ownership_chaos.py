@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from tests.fixtures.hostproc import HostProc
+from tests.fixtures.pinger import Pinger
 from tests.test_ownership import create, get, in_background, ours, start, wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="Linux /proc")
@@ -27,39 +27,6 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason
 OPS = ["start", "stop", "restart", "create", "delete"]
 ROUNDS = 30 if os.environ.get("SOLAR_LONG_TESTS") else len(OPS)
 SETTLED = {"running", "stopped", "failed"}
-
-
-class Pinger:
-    """GET /v1/models on a backend every 50 ms, directly (the host is not in the path)."""
-
-    def __init__(self, port: int, key: str):
-        self.url = f"http://127.0.0.1:{port}/v1/models"
-        self.key = key
-        self.ok = 0
-        self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5.0, headers={"Authorization": f"Bearer {self.key}"}) as c:
-            while not self._stop.is_set():
-                try:
-                    r = c.get(self.url)
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failures.append(f"{time.time():.2f}: HTTP {r.status_code}")
-                except httpx.HTTPError as err:
-                    self.failures.append(f"{time.time():.2f}: {type(err).__name__}: {err}")
-                self._stop.wait(0.05)
-
-    def __enter__(self) -> Pinger:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def settled(c: httpx.Client, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
