@@ -3,18 +3,16 @@ Docker jobs (tests/fixtures/docker.py: a real daemon and a local busybox image).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from tests.fixtures.docker import DockerDaemon, docker_daemon  # noqa: F401 (fixture)
 from tests.fixtures.host import API_KEY, host_settings, running_host
+from tests.test_api_jobs import sh
+from tests.test_api_jobs import wait_for as wait_job
 from tests.test_cli import cli
 
 pytestmark = [
@@ -28,22 +26,6 @@ pytestmark = [
 def dockerd(docker_daemon: DockerDaemon, monkeypatch: pytest.MonkeyPatch) -> DockerDaemon:  # noqa: F811
     monkeypatch.setenv("DOCKER_HOST", docker_daemon.host)
     return docker_daemon
-
-
-def sh(name: str, image: str, script: str) -> dict[str, Any]:
-    return {"name": name, "image": image, "command": ["sh", "-c", script]}
-
-
-async def wait_job(client: httpx.AsyncClient, job_id: str, cond: Any, within: float = 60) -> dict:
-    deadline = time.monotonic() + within
-    body: dict = {}
-    while time.monotonic() < deadline:
-        r = await client.get(f"/jobs/{job_id}")
-        body = r.json()
-        if r.status_code == 200 and cond(body):
-            return body
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job {job_id} never reached the condition; last: {body}")
 
 
 async def test_jobs_list_show_logs_cancel(dockerd: DockerDaemon, tmp_path: Path) -> None:
@@ -69,8 +51,8 @@ async def test_jobs_list_show_logs_cancel(dockerd: DockerDaemon, tmp_path: Path)
         for body in (done, slow):
             r = await h.client.post("/jobs", json=body)
             assert r.status_code == 202, r.text
-        await wait_job(h.client, "cli-ok", lambda b: b["status"] == "completed")
-        await wait_job(h.client, "cli-slow", lambda b: b["status"] == "running")
+        await wait_job(h.client, "cli-ok", lambda b: b["status"] == "completed", within=60)
+        await wait_job(h.client, "cli-slow", lambda b: b["status"] == "running", within=60)
 
         rc, out, err = await cli("jobs", "list", "--json", *conn, cwd=tmp_path)
         assert rc == 0, err
