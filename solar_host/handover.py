@@ -9,6 +9,7 @@ or the operator) gets them re-adopted, not restarted.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import psutil
 
 from solar_host.statelock import holder_pid, is_locked
 
-HAND_OVER_SIGNAL_NAME = "SIGUSR2"
+# The signal that asks a running host to exit and leave its backends to the next one.
+HAND_OVER_SIGNAL = signal.SIGUSR2
 
 
 class HandOverError(Exception):
@@ -39,12 +41,10 @@ def running_host_pid(state_dir: Path) -> int:
 
 def hand_over(state_dir: Path, *, timeout: float = 120.0) -> int:
     """Ask the host of `state_dir` to exit leaving its backends; returns its pid once gone."""
-    import signal
-
     pid = running_host_pid(state_dir)
     try:
         proc = psutil.Process(pid)
-        os.kill(pid, signal.SIGUSR2)
+        os.kill(pid, HAND_OVER_SIGNAL)
     except ProcessLookupError:
         return pid
     except PermissionError as err:

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
+from solar_host.handover import HAND_OVER_SIGNAL
 from solar_host.host import Host, StartupError, build_host
 from solar_host.sdnotify import Notifier
 from solar_host.sdnotify import cancel as cancel_task
@@ -43,9 +44,6 @@ log = logging.getLogger("solar_host")
 # well under a second; the bound only matters on a machine that is thrashing).
 API_WAIT_S = 60.0
 GC_SETTLE_DELAY_S = 0.5
-# The hand-over restart: the host exits and leaves every backend serving for the next host
-# process on this state directory, which re-adopts them (see README, "Restarts and upgrades").
-HAND_OVER_SIGNAL = signal.SIGUSR2
 
 
 class StagedApp:
