@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 
 def probe_address(bind_host: str) -> str:
@@ -67,3 +68,35 @@ async def is_healthy(
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
         return False
     return status == 200
+
+
+class ProbePacer:
+    """Paces the readiness probes of every backend that is starting, host-wide.
+
+    One backend loading is probed every FIRST_S at first, then less often the longer it loads
+    (small models are ready in a second; a big one takes minutes). Many loading at once share
+    a budget of MAX_PER_S probes a second: 200 backends started together are each probed about
+    once a second instead of 40 times, and the event loop stays free for the API. A probe costs
+    the host a connection and the backend a request, while it is busy loading.
+    """
+
+    FIRST_S = 0.025
+    LONGEST_S = 0.25
+    MAX_PER_S = 200.0
+
+    def __init__(self) -> None:
+        self.active = 0
+
+    @contextlib.asynccontextmanager
+    async def probing(self) -> AsyncIterator[None]:
+        """Count one backend as probed for the duration."""
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def interval(self, elapsed: float) -> float:
+        """Seconds until the next probe of a backend loading for `elapsed` seconds."""
+        own = min(self.LONGEST_S, self.FIRST_S * (1.0 + elapsed * 2))
+        return max(own, self.active / self.MAX_PER_S)

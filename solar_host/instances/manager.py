@@ -29,6 +29,7 @@ from solar_host.instances.errors import (
     InvalidInstanceConfig,
     NotPersisted,
 )
+from solar_host.instances.httpcheck import ProbePacer
 from solar_host.instances.logs import (
     InotifyHub,
     file_mtime_iso,
@@ -74,6 +75,7 @@ class InstanceManager:
         self.supervisors: dict[str, Supervisor] = {}
         self.roles = list(DEFAULT_ROLES)
         self.ports = PortAllocator(settings.start_port, self._held_ports)
+        self.probe_pacer = ProbePacer()  # readiness probes of every starting backend
         self.inotify: InotifyHub | None = None
         self.manifest_lookup: Callable[[str], Path | None] | None = None
         self.capacity: Any = None  # estimates.capacity.CapacityGate, set by build_host

@@ -11,8 +11,9 @@ Four questions, each with one function:
   /proc/<pid>/environ. The host id belongs to the state directory (a file beside CONFIG_FILE),
   so two hosts never mistake each other's backends for their own, whatever LOG_DIR they share.
 - **Owns this port?** `owns_port(identity, port, marker)`. The socket listening on the port (its
-  inode in /proc/net/tcp or tcp6) is a descriptor of the backend, of a process in its session,
-  or of a process carrying its marker. A 200 from someone else on the port proves nothing.
+  inode, from the kernel's sock_diag or /proc/net/tcp) is a descriptor of the backend, of a
+  process in its session, or of a process carrying its marker. A 200 from someone else on the
+  port proves nothing.
 - **What of ours runs here?** `ours_running(host_id)`: every live process carrying this host's
   marker, by instance id (the boot sweep stops those no recorded instance owns).
 
@@ -28,6 +29,8 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from solar_host.instances import sockdiag
 
 MARKER_VAR = "SOLAR_HOST_MARKER"
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
@@ -209,7 +212,18 @@ def session_members(sid: int) -> list[int]:
 
 
 def listeners() -> dict[int, set[int]]:
-    """Listening TCP sockets (IPv4 and IPv6, any address): port -> socket inodes."""
+    """Listening TCP sockets (IPv4 and IPv6, any address): port -> socket inodes.
+
+    From the kernel's sock_diag (only listening sockets, in binary); from /proc/net/tcp{,6}
+    where netlink is not allowed, which lists every socket, TIME_WAIT ones included."""
+    found = sockdiag.tcp_listeners()
+    if found is not None:
+        return found
+    return proc_listeners()
+
+
+def proc_listeners() -> dict[int, set[int]]:
+    """listeners() read from /proc/net/tcp and tcp6."""
     found: dict[int, set[int]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

@@ -43,8 +43,7 @@ log = logging.getLogger(__name__)
 S = InstanceStatus
 
 T = TypeVar("T")
-HEALTH_POLL_S = 0.025
-HEALTH_POLL_MAX_S = 0.25
+LISTENER_CHECK_S = 0.05  # between checks that the ready port is the backend's own
 METRICS_POLL_S = 2.0
 
 
@@ -392,19 +391,18 @@ class Supervisor:
                 raise AttemptFailed(
                     f"Port {port} is not the backend's: it is listened on by {who}", None
                 )
-            await asyncio.sleep(HEALTH_POLL_S * 2)
+            await asyncio.sleep(LISTENER_CHECK_S)
 
     async def _poll_health(self, host: str, port: int, path: str) -> None:
         addr = probe_address(host)
         bearer = self._bearer()
+        pacer = self.m.probe_pacer
         t0 = time.monotonic()
-        while True:
-            if await is_healthy(addr, port, path, bearer, timeout=1.0):
-                return
-            # Fast at first (small models are ready in a second), slower for a long load: 200
-            # backends loading at once must not keep the loop busy with probes.
-            elapsed = time.monotonic() - t0
-            await asyncio.sleep(min(HEALTH_POLL_MAX_S, HEALTH_POLL_S * (1.0 + elapsed * 2)))
+        async with pacer.probing():
+            while True:
+                if await is_healthy(addr, port, path, bearer, timeout=1.0):
+                    return
+                await asyncio.sleep(pacer.interval(time.monotonic() - t0))
 
     async def _teardown_attempt(self, proc: procs.BackendProcess, port: int) -> None:
         code = await procs.terminate(proc, min(self.m.settings.stop_grace_s, 5.0))
