@@ -356,7 +356,7 @@ class Settings(BaseModel):
 
 
 def _echo_delays(text: str) -> list[float]:
-    """"1,2,4" -> [1.0, 2.0, 4.0]; each a positive number of seconds, at most 60."""
+    """ "1,2,4" -> [1.0, 2.0, 4.0]; each a positive number of seconds, at most 60."""
     delays = []
     for part in text.split(","):
         if not part.strip():

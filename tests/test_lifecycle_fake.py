@@ -301,6 +301,6 @@ async def test_a_restart_that_finds_everything_as_recorded_does_not_rewrite_conf
         assert len((await h.client.get("/instances")).json()) == 1
     rewritten = json.loads(path.read_text())
     assert rewritten["instances"][0]["instance"]["id"] == doc["instances"][0]["instance"]["id"]
-    assert rewritten["instances"][0]["instance"]["config"] == doc["instances"][0]["instance"][
-        "config"
-    ]
+    assert (
+        rewritten["instances"][0]["instance"]["config"] == doc["instances"][0]["instance"]["config"]
+    )

@@ -95,9 +95,10 @@ async def test_a_router_that_cannot_be_built_is_a_503_and_the_hot_paths_keep_ser
         raise RuntimeError("route table exploded")
 
     app = StagedApp(host, broken)
-    async with staged_server(app) as url, httpx.AsyncClient(
-        base_url=url, headers={"X-API-Key": API_KEY}, timeout=30
-    ) as c:
+    async with (
+        staged_server(app) as url,
+        httpx.AsyncClient(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as c,
+    ):
         r = await c.get("/resources")
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"

@@ -131,9 +131,7 @@ def gguf_of_dir(model_dir: Path) -> Path:
     if len(models) == 1:
         return models[0]
     if not models:
-        raise PatternError(
-            "model", f"{model_dir} is a directory with no .gguf model file in it"
-        )
+        raise PatternError("model", f"{model_dir} is a directory with no .gguf model file in it")
     names = ", ".join(str(p.relative_to(model_dir)) for p in models)
     raise PatternError(
         "model",

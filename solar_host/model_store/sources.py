@@ -138,8 +138,7 @@ def pull_hint(source_uri: str) -> str:
     if source_uri.startswith(HF_PREFIX):
         model_id = source_uri[len(HF_PREFIX) :].strip("/")
         body = (
-            f'{{"source": "huggingface", "model_id": "{model_id}", '
-            f'"source_uri": "{source_uri}"}}'
+            f'{{"source": "huggingface", "model_id": "{model_id}", "source_uri": "{source_uri}"}}'
         )
     else:
         body = (
