@@ -135,13 +135,18 @@ class InstanceManager:
         the sweep of strays all continue in the background.
         """
 
-        # One read of the socket tables for every adoption (it is large on a busy machine).
-        recorded = any(s.stored.process is not None for s in self.supervisors.values())
+        # One read of the socket table and one marker scan for every adoption of the boot.
+        recorded = any(
+            s.stored.process is not None or s.stored.want_running
+            for s in self.supervisors.values()
+        )
         listening = await asyncio.to_thread(ownership.listeners) if recorded else {}
+        wanted = any(s.stored.want_running for s in self.supervisors.values())
+        ours = await asyncio.to_thread(ownership.ours_running, self.host_id) if wanted else {}
 
         async def adopt(sup: Supervisor) -> str:
             try:
-                return await sup.adopt(listening)
+                return await sup.adopt(listening, ours)
             except Exception:
                 log.exception("re-adoption of %s failed", sup.id)
                 return "gone"

@@ -284,6 +284,53 @@ def owns_port(
     return False
 
 
+def backend_root(carrying: list[Identity]) -> Identity | None:
+    """The backend among the live processes carrying one instance's marker, or None.
+
+    A backend is spawned as the leader of a session of its own; its workers live in that
+    session, or lead sessions they made later (so they are younger). The oldest session leader
+    carrying the marker is therefore the backend."""
+    leaders = []
+    for ident in carrying:
+        with contextlib.suppress(OSError):
+            if os.getsid(ident.pid) == ident.pid:
+                leaders.append(ident)
+    return min(leaders, key=lambda i: i.start_ticks, default=None)
+
+
+def listening_ports(identity: Identity, listening: dict[int, set[int]] | None = None) -> list[int]:
+    """Ports on which a socket of the process, or of a process in its session, listens."""
+    table = listening if listening is not None else listeners()
+    pid = identity.pid
+    with contextlib.suppress(OSError):
+        members = [pid, *(m for m in session_members(os.getsid(pid)) if m != pid)]
+        return sorted(
+            port
+            for port, inodes in table.items()
+            if inodes - {0} and any(_holds_socket(m, inodes - {0}) for m in members)
+        )
+    return []
+
+
+def start_time(identity: Identity) -> float:
+    """When the process started, in seconds since the epoch (boot time + its start ticks)."""
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return int(line.split()[1]) + identity.start_ticks / os.sysconf("SC_CLK_TCK")
+    raise OSError("/proc/stat has no btime")
+
+
+def stdout_path(pid: int) -> Path | None:
+    """The file the process writes its standard output to, when it is a regular file."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return None
+    path = Path(target)
+    return path if path.is_absolute() and path.is_file() else None
+
+
 def port_holders(port: int) -> list[int]:
     """Pids holding a socket that listens on `port` (those whose descriptors we can read)."""
     inodes = listener_inodes(port)

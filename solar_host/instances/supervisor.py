@@ -675,24 +675,99 @@ class Supervisor:
         marker = ownership.marker_of(rec.pid)
         return procs.BackendProcess(ident, marker if marker == expected else None), ""
 
-    async def adopt(self, listening: dict[int, set[int]] | None = None) -> str:
+    def unrecorded_process(
+        self, carrying: list[ownership.Identity], listening: dict[int, set[int]] | None
+    ) -> tuple[procs.BackendProcess, ProcessRecord] | None:
+        """A backend of this instance that runs without a (current) process record, and the
+        record rebuilt from /proc; None when there is none, or no single port tells which
+        socket is its API. `carrying`: the live processes with this instance's marker
+        (ownership.ours_running, read once for every adoption of a boot). Blocking.
+
+        It carries this instance's marker, so it is ours beyond doubt; what the record would
+        add is rebuilt: the port it listens on (the config's, when it asks for one), its log
+        file (its standard output, when that lies in LOG_DIR) and its start time. The key it
+        was given is unknown, as for records older than key fingerprints."""
+        marker = self.m.marker(self.id)
+        ident = ownership.backend_root(carrying)
+        if ident is None:
+            return None
+        ports = ownership.listening_ports(ident, listening)
+        wanted = getattr(self.instance.config, "port", None)
+        if wanted in ports:
+            ports = [wanted]
+        if len(ports) != 1:
+            log.warning(
+                "backend pid %s of %s carries its marker but listens on %s: not adopted",
+                ident.pid,
+                self.id,
+                ", ".join(map(str, ports)) or "no port yet",
+            )
+            return None
+        log_file = ownership.stdout_path(ident.pid)
+        log_dir = Path(self.m.settings.log_dir).resolve()
+        if log_file is not None and log_dir not in log_file.resolve().parents:
+            log_file = None
+        try:
+            argv = Path(f"/proc/{ident.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            created = ownership.start_time(ident)
+        except OSError:
+            return None
+        cmdline = [a.decode("utf-8", "replace") for a in argv]
+        proc = procs.BackendProcess(ident, marker, created, cmdline)
+        rec = ProcessRecord(
+            pid=ident.pid,
+            create_time=created,
+            start_ticks=ident.start_ticks,
+            boot_id=ident.boot_id,
+            marker=marker,
+            cmdline=cmdline,
+            port=ports[0],
+            log_file=str(log_file) if log_file is not None else None,
+            spawned_at=datetime.fromtimestamp(created, UTC).isoformat(),
+        )
+        return proc, rec
+
+    async def adopt(
+        self,
+        listening: dict[int, set[int]] | None = None,
+        ours: dict[str, list[ownership.Identity]] | None = None,
+    ) -> str:
         """Take back a backend the host left running, fast: identity, marker and listener only
         (the API binds only after every supervisor answered). Slower work (log attach, health,
         readiness of a backend still loading) continues in the background.
 
         Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
         host died: it is finished in the background) or "gone" (nothing of ours to adopt).
-        `listening`: ownership.listeners() read once for every adoption of a boot.
+        `listening`: ownership.listeners() read once for every adoption of a boot; `ours`:
+        ownership.ours_running(), idem. A backend that carries this instance's marker is
+        adopted even when config.json does not record it (see unrecorded_process).
         """
         rec = self.stored.process
-        if rec is None:
-            return "gone"
-        proc, why = await asyncio.to_thread(self.recorded_process)
-        if proc is None:
-            log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
+        proc: procs.BackendProcess | None = None
+        if rec is not None:
+            proc, why = await asyncio.to_thread(self.recorded_process)
+            if proc is None:
+                log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
+        inst = self.instance
+        carrying = (ours or {}).get(self.id)
+        if proc is None and self.stored.want_running and carrying:
+            found = await asyncio.to_thread(self.unrecorded_process, carrying, listening)
+            if found is not None:
+                proc, rec = found
+                self.stored.process = rec
+                if inst.status not in (S.RUNNING, S.STARTING):
+                    inst.status = S.STARTING
+                log.warning(
+                    "re-adopted backend pid %s of %s on port %s by its marker: config.json "
+                    "did not record it (a host killed right after the spawn, or a restored "
+                    "older copy)",
+                    proc.pid,
+                    self.id,
+                    rec.port,
+                )
+        if proc is None or rec is None:
             self.stored.process = None
             return "gone"
-        inst = self.instance
         self.proc = proc
         self.m.ports.claim_adopted(rec.port)
         if inst.status in (S.STOPPING, S.STOPPED, S.FAILED) or not self.stored.want_running:
