@@ -18,10 +18,12 @@ Target (issue 20): with 8 clients, at least 3x the one-at-a-time aggregate token
 TTFT at most 3x the single-client p50.
 
     .venv/bin/python bench/hf_chat_concurrency.py [--seconds 8] [--max-tokens 32]
-        [--size tiny|small] [--model DIR] [--clients 1,4,8,16]
+        [--size tiny|small|medium] [--model DIR] [--clients 1,4,8,16]
 
---size tiny is the tests' 2-layer 32-wide GPT-2; small is a 4-layer 256-wide one (random
-weights, same tokenizer): more work per step, closer to what batching does for a real model.
+--size tiny is the tests' 2-layer 32-wide GPT-2; small is a 4-layer 256-wide one and medium a
+12-layer 768-wide one (GPT-2's own shape, random weights, the tiny one's tokenizer): more work
+per token, closer to what batching does for a real model. On a CPU, tiny and small are
+dominated by per-call overhead, medium by the matrix products.
 --model serves a local causal model directory instead.
 """
 
@@ -151,12 +153,13 @@ def build_model(root: Path, size: str) -> Path:
 
     tok = AutoTokenizer.from_pretrained(models.causal)
     torch.manual_seed(7)
+    width, layers = {"small": (256, 4), "medium": (768, 12)}[size]
     cfg = GPT2Config(
         vocab_size=len(tok),
         n_positions=2048,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
+        n_embd=width,
+        n_layer=layers,
+        n_head=width // 64,
         bos_token_id=tok.eos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.eos_token_id,
@@ -164,7 +167,7 @@ def build_model(root: Path, size: str) -> Path:
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():  # as the tiny one: EOS never wins, so every request runs its length
         model.lm_head.weight[tok.eos_token_id].zero_()
-    out = root / "small-gpt2"
+    out = root / f"{size}-gpt2"
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -219,7 +222,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8, help="length of each phase")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--clients", default="1,4,8,16")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--size", choices=["tiny", "small", "medium"], default="tiny")
     p.add_argument("--model", default=None, help="a local causal model directory")
     args = p.parse_args()
     counts = [int(x) for x in args.clients.split(",")]

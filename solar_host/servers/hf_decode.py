@@ -7,6 +7,12 @@ give each its first token at once), merges their cache rows into the running bat
 one decode step for every row. A request that arrives while others generate therefore waits
 for at most one step and one prefill, never for a generation to end.
 
+Requests that arrive together are prefilled in groups of at most `prefill_tokens` prompt tokens,
+and each group's first tokens go out before the next group runs. On a CPU a prefill costs what
+its tokens cost from about 16 tokens on (the matrix products are already full), so one prefill
+of seven prompts would only make the first six wait for the seventh; on a GPU one wide prefill
+costs little more than a narrow one, so the budget there is large.
+
 Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
 client goes away (the request's cancel event); the columns that only padding still uses are
 cut off, so the cache stays as wide as its longest live row. Sampling is per row, each with
@@ -29,6 +35,10 @@ from typing import Any
 import torch
 
 from solar_host.servers.hf_protocol import GenParams, StopScanner
+
+# Prompt tokens per prefill: see the module's docstring.
+PREFILL_TOKENS_CPU = 64
+PREFILL_TOKENS_GPU = 8192
 
 # Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step).
 Post = Callable[[list[tuple[Callable[[Any], None], Any]]], None]
@@ -75,9 +85,13 @@ class DecodeScheduler:
         max_batch: int,
         post: Post,
         threads: int | None = None,
+        prefill_tokens: int | None = None,
     ):
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
+        if prefill_tokens is None:
+            prefill_tokens = PREFILL_TOKENS_CPU if device == "cpu" else PREFILL_TOKENS_GPU
+        self.prefill_tokens = max(1, prefill_tokens)
         self._post = post
         self._threads = threads
         pad = tokenizer.pad_token_id
@@ -170,8 +184,8 @@ class DecodeScheduler:
                             self.cancelled += 1
                             self._out.append((r.on_done, Cancelled("client disconnected")))
                     new = [r for r in new if not r.cancel.is_set()]
-                    if new:
-                        self._admit(new)
+                    for group in self._prefill_groups(new):
+                        self._admit(group)
                         self._flush()  # first tokens go out now, not after the next step
                     if self._rows:
                         self._step()
@@ -187,6 +201,24 @@ class DecodeScheduler:
         for req in pending + [r.req for r in self._rows]:
             self._out.append((req.on_done, Cancelled("server shutting down")))
         self._flush()
+
+    def _prefill_groups(self, reqs: list[GenRequest]) -> list[list[GenRequest]]:
+        """`reqs` in arrival order, cut into prefills of at most `prefill_tokens` prompt
+        tokens (a longer prompt is a group of its own). Only where rows can join a running
+        batch: otherwise the first prefill is the whole batch."""
+        if not reqs:
+            return []
+        if not self._mergeable:
+            return [reqs]
+        groups: list[list[GenRequest]] = [[]]
+        tokens = 0
+        for r in reqs:
+            if groups[-1] and tokens + len(r.ids) > self.prefill_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(r)
+            tokens += len(r.ids)
+        return groups
 
     def _flush(self) -> None:
         if self._out:

@@ -1,0 +1,119 @@
+"""The decode scheduler in-process, on the tests' tiny GPT-2: requests that arrive together are
+prefilled in groups bounded by a token budget, and whatever the grouping, each request's greedy
+text and usage are what it gets alone (issue 20)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from solar_host.servers.hf_protocol import GenParams
+from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from solar_host.servers.hf_decode import DecodeScheduler, GenRequest, GenResult  # noqa: E402
+
+PROMPTS = [
+    ("the cat sat", 9),
+    ("a man is eating a piece of", 17),
+    ("hello", 4),
+    ("the quick brown fox jumps over the lazy dog and", 12),
+    ("solar host serves", 21),
+    ("x", 6),
+]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_models: TinyHFModels) -> tuple[Any, Any]:  # noqa: F811
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_hf_models.causal)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_models.causal).eval()
+    return lm, tok
+
+
+def run_all(model: tuple[Any, Any], prefill_tokens: int, together: bool) -> tuple[list, dict]:
+    """Generate PROMPTS greedily: all submitted at once (after a warm-up request, so that the
+    scheduler knows rows can join), or one after another. Returns (results, stats)."""
+    lm, tok = model
+    done: dict[int, threading.Event] = {}
+    results: dict[int, GenResult | BaseException] = {}
+    order: list[int] = []  # which request got its first piece, in order
+
+    def post(calls: list) -> None:  # called on the scheduler thread: run them right there
+        for fn, arg in calls:
+            fn(arg)
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, prefill_tokens=prefill_tokens)
+    sched.start()
+    try:
+
+        def request(i: int, prompt: str, max_new: int) -> GenRequest:
+            done[i] = threading.Event()
+
+            def finished(res: GenResult | BaseException) -> None:
+                results[i] = res
+                done[i].set()
+
+            def piece(_text: str) -> None:
+                if i not in order:
+                    order.append(i)
+
+            ids = tok(prompt)["input_ids"]
+            return GenRequest(ids, GenParams(temperature=0), max_new, piece, finished)
+
+        sched.submit(request(-1, "warm", 2))
+        assert done[-1].wait(60)
+        if together:
+            with sched._cond:  # all pending at the same turn of the scheduler
+                for i, (prompt, n) in enumerate(PROMPTS):
+                    sched._pending.append(request(i, prompt, n))
+                sched._cond.notify()
+            for i in range(len(PROMPTS)):
+                assert done[i].wait(60)
+        else:
+            for i, (prompt, n) in enumerate(PROMPTS):
+                sched.submit(request(i, prompt, n))
+                assert done[i].wait(60)
+        return [results[i] for i in range(len(PROMPTS))], {**sched.stats(), "order": order}
+    finally:
+        sched.stop()
+
+
+def test_prefill_groups_follow_the_token_budget(model) -> None:
+    lm, tok = model
+    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls: None, prefill_tokens=10)
+    reqs = [GenRequest([0] * n, GenParams(), 1, None, lambda r: None) for n in (4, 5, 2, 12, 1)]
+    sched._mergeable = True
+    groups = sched._prefill_groups(reqs)
+    assert [[len(r.ids) for r in g] for g in groups] == [[4, 5], [2], [12], [1]]
+    sched._mergeable = False  # static batching: the first prefill is the whole batch
+    assert len(sched._prefill_groups(reqs)) == 1
+    assert DecodeScheduler(lm, tok, "cpu", 32, lambda c: None).prefill_tokens == 64
+    assert DecodeScheduler(lm, tok, "cuda:0", 32, lambda c: None).prefill_tokens == 8192
+
+
+def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
+    alone, _ = run_all(model, 10_000, together=False)
+    one_prefill, wide = run_all(model, 10_000, together=True)
+    grouped, narrow = run_all(model, 4, together=True)
+    for ref, a, b in zip(alone, one_prefill, grouped, strict=True):
+        assert isinstance(ref, GenResult), ref
+        assert (a.text, a.prompt_tokens, a.completion_tokens) == (
+            ref.text,
+            ref.prompt_tokens,
+            ref.completion_tokens,
+        )
+        assert (b.text, b.prompt_tokens, b.completion_tokens) == (
+            ref.text,
+            ref.prompt_tokens,
+            ref.completion_tokens,
+        )
+    # The warm-up and the six in one prefill, or the six in groups of at most 4 tokens.
+    assert wide["prefills"] == 2
+    assert narrow["prefills"] > 4
+    assert narrow["max_rows"] == len(PROMPTS)  # the groups still shared the decode steps
+    # The first group's first pieces go out first (before the later groups are prefilled).
+    assert next(i for i in narrow["order"] if i >= 0) == 0
