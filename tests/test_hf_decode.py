@@ -1,6 +1,6 @@
 """The decode scheduler in-process, on the tests' tiny GPT-2: requests that arrive together are
-prefilled in groups bounded by a token budget, and whatever the grouping, each request's greedy
-text and usage are what it gets alone (issue 20)."""
+prefilled in groups sized by the measured prefill cost, and whatever the grouping, each
+request's greedy text and usage are what it gets alone (issue 20)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def model(tiny_hf_models: TinyHFModels) -> tuple[Any, Any]:  # noqa: F811
     return lm, tok
 
 
-def run_all(model: tuple[Any, Any], prefill_tokens: int, together: bool) -> tuple[list, dict]:
+def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[list, dict]:
     """Generate PROMPTS greedily: all submitted at once (after a warm-up request, so that the
     scheduler knows rows can join), or one after another. Returns (results, stats)."""
     lm, tok = model
@@ -46,7 +46,7 @@ def run_all(model: tuple[Any, Any], prefill_tokens: int, together: bool) -> tupl
         for fn, arg in calls:
             fn(arg)
 
-    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, prefill_tokens=prefill_tokens)
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, prefill_group_s=group_s)
     sched.start()
     try:
 
@@ -82,23 +82,33 @@ def run_all(model: tuple[Any, Any], prefill_tokens: int, together: bool) -> tupl
         sched.stop()
 
 
-def test_prefill_groups_follow_the_token_budget(model) -> None:
+def test_prefill_groups_fit_the_time_budget_at_the_measured_cost(model) -> None:
     lm, tok = model
-    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls: None, prefill_tokens=10)
+    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls: None, prefill_group_s=0.010)
     reqs = [GenRequest([0] * n, GenParams(), 1, None, lambda r: None) for n in (4, 5, 2, 12, 1)]
     sched._mergeable = True
+    # Nothing measured yet: one prefill for all.
+    assert len(sched._prefill_groups(reqs)) == 1
+    sched.prefill_token_s = 0.001  # 10 padded tokens per group
     groups = sched._prefill_groups(reqs)
     assert [[len(r.ids) for r in g] for g in groups] == [[4, 5], [2], [12], [1]]
+    sched.prefill_token_s = 1e-7  # a cost per call, not per token: one prefill again
+    assert len(sched._prefill_groups(reqs)) == 1
+    sched.prefill_token_s = 0.001
     sched._mergeable = False  # static batching: the first prefill is the whole batch
     assert len(sched._prefill_groups(reqs)) == 1
-    assert DecodeScheduler(lm, tok, "cpu", 32, lambda c: None).prefill_tokens == 64
-    assert DecodeScheduler(lm, tok, "cuda:0", 32, lambda c: None).prefill_tokens == 8192
+    # The cost is a moving average of what prefills took.
+    sched.prefill_token_s = None
+    sched._measured_prefill(100, 0.2)
+    assert sched.prefill_token_s == pytest.approx(0.002)
+    sched._measured_prefill(100, 0.7)
+    assert sched.prefill_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.007)
 
 
 def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
-    alone, _ = run_all(model, 10_000, together=False)
-    one_prefill, wide = run_all(model, 10_000, together=True)
-    grouped, narrow = run_all(model, 4, together=True)
+    alone, _ = run_all(model, 3600.0, together=False)
+    one_prefill, wide = run_all(model, 3600.0, together=True)
+    grouped, narrow = run_all(model, 1e-9, together=True)  # one request a group
     for ref, a, b in zip(alone, one_prefill, grouped, strict=True):
         assert isinstance(ref, GenResult), ref
         assert (a.text, a.prompt_tokens, a.completion_tokens) == (
@@ -111,9 +121,10 @@ def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
             ref.prompt_tokens,
             ref.completion_tokens,
         )
-    # The warm-up and the six in one prefill, or the six in groups of at most 4 tokens.
+    # The warm-up and the six in one prefill, or the six one by one.
     assert wide["prefills"] == 2
-    assert narrow["prefills"] > 4
+    assert narrow["prefills"] == 1 + len(PROMPTS)
+    assert narrow["prefill_ms_per_token"] > 0
     assert narrow["max_rows"] == len(PROMPTS)  # the groups still shared the decode steps
     # The first group's first pieces go out first (before the later groups are prefilled).
     assert next(i for i in narrow["order"] if i >= 0) == 0

@@ -7,11 +7,12 @@ give each its first token at once), merges their cache rows into the running bat
 one decode step for every row. A request that arrives while others generate therefore waits
 for at most one step and one prefill, never for a generation to end.
 
-Requests that arrive together are prefilled in groups of at most `prefill_tokens` prompt tokens,
-and each group's first tokens go out before the next group runs. On a CPU a prefill costs what
-its tokens cost from about 16 tokens on (the matrix products are already full), so one prefill
-of seven prompts would only make the first six wait for the seventh; on a GPU one wide prefill
-costs little more than a narrow one, so the budget there is large.
+Requests that arrive together are prefilled in groups, and each group's first tokens go out
+before the next group runs. A group is as large as fits in PREFILL_GROUP_S at the prefill cost
+per token measured so far (at least one request): where a prefill costs what its tokens cost (a
+CPU on a model of some size), one prefill of seven prompts would make the first six wait for
+the seventh; where the cost is mostly per call (a GPU, or a tiny model), every request that
+arrived joins the one prefill.
 
 Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
 client goes away (the request's cancel event); the columns that only padding still uses are
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +38,8 @@ import torch
 
 from solar_host.servers.hf_protocol import GenParams, StopScanner
 
-# Prompt tokens per prefill: see the module's docstring.
-PREFILL_TOKENS_CPU = 64
-PREFILL_TOKENS_GPU = 8192
+# How long one prefill group should take at the measured cost per token (module docstring).
+PREFILL_GROUP_S = 0.025
 
 # Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step).
 Post = Callable[[list[tuple[Callable[[Any], None], Any]]], None]
@@ -85,13 +86,14 @@ class DecodeScheduler:
         max_batch: int,
         post: Post,
         threads: int | None = None,
-        prefill_tokens: int | None = None,
+        prefill_group_s: float = PREFILL_GROUP_S,
     ):
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
-        if prefill_tokens is None:
-            prefill_tokens = PREFILL_TOKENS_CPU if device == "cpu" else PREFILL_TOKENS_GPU
-        self.prefill_tokens = max(1, prefill_tokens)
+        self.prefill_group_s = prefill_group_s
+        # Seconds of prefill per (padded) prompt token, a moving average of the prefills so
+        # far; None until the first.
+        self.prefill_token_s: float | None = None
         self._post = post
         self._threads = threads
         pad = tokenizer.pad_token_id
@@ -158,6 +160,9 @@ class DecodeScheduler:
             "finished": self.finished,
             "cancelled": self.cancelled,
             "joins_running_batch": self._mergeable is not False,
+            "prefill_ms_per_token": (
+                None if self.prefill_token_s is None else round(self.prefill_token_s * 1000, 4)
+            ),
         }
 
     # ---- the scheduler thread ------------------------------------------------------------
@@ -203,22 +208,29 @@ class DecodeScheduler:
         self._flush()
 
     def _prefill_groups(self, reqs: list[GenRequest]) -> list[list[GenRequest]]:
-        """`reqs` in arrival order, cut into prefills of at most `prefill_tokens` prompt
-        tokens (a longer prompt is a group of its own). Only where rows can join a running
-        batch: otherwise the first prefill is the whole batch."""
+        """`reqs` in arrival order, cut into prefills that should each take at most
+        `prefill_group_s` (a request whose prompt alone takes longer is a group of its own).
+        Only where rows can join a running batch: otherwise the first prefill is the batch."""
         if not reqs:
             return []
-        if not self._mergeable:
+        per_token = self.prefill_token_s
+        if not self._mergeable or not per_token:
             return [reqs]
         groups: list[list[GenRequest]] = [[]]
-        tokens = 0
+        width = 0  # the group's prompts are left-padded to its longest
         for r in reqs:
-            if groups[-1] and tokens + len(r.ids) > self.prefill_tokens:
+            wider = max(width, len(r.ids))
+            if groups[-1] and wider * (len(groups[-1]) + 1) * per_token > self.prefill_group_s:
                 groups.append([])
-                tokens = 0
+                wider = len(r.ids)
             groups[-1].append(r)
-            tokens += len(r.ids)
+            width = wider
         return groups
+
+    def _measured_prefill(self, tokens: int, seconds: float) -> None:
+        per_token = seconds / max(1, tokens)
+        old = self.prefill_token_s
+        self.prefill_token_s = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _flush(self) -> None:
         if self._out:
@@ -247,6 +259,7 @@ class DecodeScheduler:
         except TypeError:  # transformers 4.x: no config argument
             cache = DynamicCache()
         pos = (m.cumsum(1) - 1).clamp(min=0)
+        started = time.perf_counter()
         out = self.model(
             input_ids=x,
             attention_mask=m,
@@ -255,6 +268,10 @@ class DecodeScheduler:
             **{self._cache_kw: cache},
             **self._keep_kw,
         )
+        logits = out.logits[:, -1, :]
+        if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
+            torch.cuda.synchronize(self.device)
+        self._measured_prefill(len(reqs) * width, time.perf_counter() - started)
         self.prefills += 1
         self.admitted += len(reqs)
         if self._mergeable is None:
@@ -271,7 +288,7 @@ class DecodeScheduler:
             self._cache, self._mask = cache, m
         self._rows.extend(rows)
         self.max_rows = max(self.max_rows, len(self._rows))
-        self._accept(rows, out.logits[:, -1, :], first=len(self._rows) - len(rows))
+        self._accept(rows, logits, first=len(self._rows) - len(rows))
 
     def _merge(self, cache: Any, mask: torch.Tensor) -> None:
         """Append `cache`'s rows to the running cache, left-padding the narrower of the two."""
