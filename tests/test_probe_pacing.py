@@ -62,10 +62,11 @@ async def test_one_loading_backend_is_probed_often(tmp_path, monkeypatch) -> Non
     [log] = await start_loading(tmp_path, 1, monkeypatch)
     seen = probes(log)
     loading = [at for at, ok in seen if not ok]
-    # 1.5 s at 25 ms growing to about 100 ms: dozens of probes, and ready seen at once.
-    assert len(loading) >= 15, len(loading)
+    # 1.5 s at 25 ms growing to about 100 ms: some 25 probes on an idle machine, and ready
+    # seen within one interval. Paced like 200 backends, it would be 2 probes, 1 s apart.
+    assert len(loading) >= 8, len(loading)
     first_ok = next(at for at, ok in seen if ok)
-    assert first_ok - loading[-1] < 0.25
+    assert first_ok - loading[-1] < 0.5
 
 
 async def test_many_loading_backends_share_the_probe_budget(tmp_path, monkeypatch) -> None:
