@@ -107,18 +107,11 @@ def _signal_group(pgid: int, sig: int) -> None:
 def _strays(proc: BackendProcess) -> list[Identity]:
     """Processes of the backend that a group signal may miss: workers that called setsid(),
     and the group's members once its leader is gone. Blocking."""
-    out: dict[int, Identity] = {}
-    if proc.marker is not None:
-        for ident in ownership.carriers(proc.marker):
-            out[ident.pid] = ident
-        # A group whose leader died keeps its id, and the kernel hands out no pid while the
-        # group exists; members that carry the marker are the backend's workers.
-        for pid in ownership.group_members(proc.pid):
-            ident = ownership.identity_of(pid)
-            if ident is not None and ownership.is_ours(pid, proc.marker):
-                out[pid] = ident
-    out.pop(proc.pid, None)
-    return list(out.values())
+    if proc.marker is None:
+        return []
+    # Members of the backend's group (one whose leader died keeps its id) that carry the
+    # marker are among the carriers too: one scan finds them all.
+    return [ident for ident in ownership.carriers(proc.marker) if ident.pid != proc.pid]
 
 
 def signal_tree(proc: BackendProcess, sig: int) -> None:
