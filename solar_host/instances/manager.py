@@ -137,8 +137,7 @@ class InstanceManager:
 
         # One read of the socket table and one marker scan for every adoption of the boot.
         recorded = any(
-            s.stored.process is not None or s.stored.want_running
-            for s in self.supervisors.values()
+            s.stored.process is not None or s.stored.want_running for s in self.supervisors.values()
         )
         listening = await asyncio.to_thread(ownership.listeners) if recorded else {}
         wanted = any(s.stored.want_running for s in self.supervisors.values())

@@ -375,6 +375,12 @@ def start_time(identity: Identity) -> float:
     raise OSError("/proc/stat has no btime")
 
 
+def cmdline_of(pid: int) -> list[str]:
+    """The process's command line, for display (raises OSError once it is gone)."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    return [a.decode("utf-8", "replace") for a in argv]
+
+
 def stdout_path(pid: int) -> Path | None:
     """The file the process writes its standard output to, when it is a regular file."""
     try:

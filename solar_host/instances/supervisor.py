@@ -667,10 +667,10 @@ class Supervisor:
         if ident is None or (rec.start_ticks is not None and ident.start_ticks != rec.start_ticks):
             return None, "it exited (or its pid now belongs to another process)"
         try:
-            argv = Path(f"/proc/{rec.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            cmdline = ownership.cmdline_of(rec.pid)
         except OSError:
             return None, "it exited"
-        if [a.decode("utf-8", "replace") for a in argv] != rec.cmdline:
+        if cmdline != rec.cmdline:
             return None, "its pid now runs another program"
         marker = ownership.marker_of(rec.pid)
         return procs.BackendProcess(ident, marker if marker == expected else None), ""
@@ -708,11 +708,10 @@ class Supervisor:
         if log_file is not None and log_dir not in log_file.resolve().parents:
             log_file = None
         try:
-            argv = Path(f"/proc/{ident.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            cmdline = ownership.cmdline_of(ident.pid)
             created = ownership.start_time(ident)
         except OSError:
             return None
-        cmdline = [a.decode("utf-8", "replace") for a in argv]
         proc = procs.BackendProcess(ident, marker, created, cmdline)
         rec = ProcessRecord(
             pid=ident.pid,
