@@ -287,6 +287,7 @@ class DecodeScheduler:
         else:
             self._cache, self._mask = cache, m
         self._rows.extend(rows)
+        self.rows_now = len(self._rows)
         self.max_rows = max(self.max_rows, len(self._rows))
         self._accept(rows, logits, first=len(self._rows) - len(rows))
 
@@ -342,18 +343,32 @@ class DecodeScheduler:
             self._drop(lambda r: False, done)
 
     def _drop(self, cancelled: Callable[[_Row], bool], done: dict[int, str] | None) -> None:
-        """Remove finished (done: row index -> reason) and cancelled rows from the batch."""
+        """Remove finished (done: row index -> reason) and cancelled rows from the batch.
+
+        The batch shrinks before the counters move: stats() read from another thread never
+        shows a request counted as cancelled or finished while its row is still there."""
         keep: list[int] = []
+        gone: list[tuple[_Row, str | None]] = []  # (row, reason; None: cancelled)
         for i, row in enumerate(self._rows):
             if done is not None and i in done:
-                self._finish(row, done[i])
+                gone.append((row, done[i]))
             elif cancelled(row):
+                gone.append((row, None))
+            else:
+                keep.append(i)
+        if not gone:
+            return
+        self._select(keep)
+        self.rows_now = len(self._rows)
+        for row, reason in gone:
+            if reason is None:
                 self.cancelled += 1
                 self._out.append((row.req.on_done, Cancelled("client disconnected")))
             else:
-                keep.append(i)
-        if len(keep) == len(self._rows):
-            return
+                self._finish(row, reason)
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only these rows of the batch (and of its cache and mask)."""
         if not keep:
             self._reset()
             return
