@@ -6,7 +6,9 @@ backend, must not cost a model load. Real host processes, SIGKILLed; real backen
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,3 +132,38 @@ def test_backend_of_an_instance_recorded_stopped_is_still_stopped(tmp_path: Path
             assert time.monotonic() < deadline, "the unwanted backend was never stopped"
             time.sleep(0.05)
         assert instance(h, iid)["status"] == "stopped"
+
+
+def test_unrecorded_backend_still_loading_is_adopted_on_the_port_it_was_given(
+    tmp_path: Path,
+) -> None:
+    """Killed between spawn and record while the backend still loads (it listens on nothing
+    yet): the port the host gave it, in its environment, says which socket will be its API."""
+    with HostProc(tmp_path) as h:
+        h.start()
+        with h.client() as c:
+            cfg = script_config(h.tmp, "--ready-after", "5", alias="loading")
+            iid = c.post("/instances", json={"config": cfg}).json()["instance"]["id"]
+            starter = threading.Thread(
+                target=lambda: h.client().post(f"/instances/{iid}/start"), daemon=True
+            )
+            starter.start()
+            before = wait_status(h, iid, "starting")
+            deadline = time.monotonic() + 10
+            while before["pid"] is None:
+                assert time.monotonic() < deadline, before
+                before = instance(h, iid)
+                time.sleep(0.02)
+        with pytest.raises(ConnectionRefusedError):  # still loading: nothing listens yet
+            socket.create_connection(("127.0.0.1", before["port"]), timeout=2).close()
+        h.kill()
+        starter.join(10)
+        rewrite_entry(h, iid, no_record)
+        h.start()
+        inst = instance(h, iid)
+        assert inst["status"] == "starting", inst
+        assert (inst["pid"], inst["port"]) == (before["pid"], before["port"]), inst
+        assert "by its marker" in h.log()
+        inst = wait_status(h, iid, "running")
+        assert (inst["pid"], inst["port"]) == (before["pid"], before["port"]), inst
+        assert [p.pid for p in h.backends()] == [before["pid"]]

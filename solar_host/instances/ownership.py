@@ -36,6 +36,9 @@ from typing import TypeVar
 from solar_host.instances import sockdiag
 
 MARKER_VAR = "SOLAR_HOST_MARKER"
+# The API port the host gave the backend, beside the marker: a backend whose spawn the host did
+# not live to record, and that does not listen yet (still loading), is adopted on this port.
+PORT_VAR = "SOLAR_HOST_BACKEND_PORT"
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 T = TypeVar("T")
 
@@ -139,18 +142,33 @@ def marker(host_id: str, instance_id: str) -> str:
     return f"{host_id}:{instance_id}"
 
 
-def marker_of(pid: int) -> str | None:
-    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
+def spawn_env_of(pid: int, name: str) -> str | None:
+    """Variable `name` as `pid` was exec'd with (None when absent or unreadable)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
     except OSError:
         return None
-    key = MARKER_VAR.encode() + b"="
+    key = name.encode() + b"="
     for item in env.split(b"\0"):
         if item.startswith(key):
             return item[len(key) :].decode("utf-8", "replace")
     return None
+
+
+def marker_of(pid: int) -> str | None:
+    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
+    return spawn_env_of(pid, MARKER_VAR)
+
+
+def given_port(pid: int) -> int | None:
+    """PORT_VAR as `pid` was exec'd with, when it is a port number (None otherwise: a backend
+    spawned by an older host, or an unreadable environment)."""
+    value = spawn_env_of(pid, PORT_VAR)
+    if value is None or not value.isdigit():
+        return None
+    port = int(value)
+    return port if 0 < port < 65536 else None
 
 
 def is_ours(pid: int, expected_marker: str) -> bool:

@@ -269,6 +269,7 @@ class Supervisor:
         )
         # Ours, provably: exec and fork keep it; ownership.py reads it back from /proc.
         env[ownership.MARKER_VAR] = self.m.marker(self.id)
+        env[ownership.PORT_VAR] = str(port)
 
         if self.deleted:
             self.m.ports.release(port)
@@ -298,13 +299,14 @@ class Supervisor:
             spawned_at=datetime.now(UTC).isoformat(),
             seq_base=seq_base,
         )
-        self.set_status(S.STARTING, reason="spawned", pid=proc.pid)
         self._ready = asyncio.Event()
         self._follow(log_path, offset=0, ready_check=backend)
         try:
-            # The process record is on disk before we wait: a host killed from here on finds
-            # the backend at boot (the backend loads its model meanwhile, so this costs no time).
+            # The process record is on disk before the pid is shown or awaited: a host killed
+            # from here on finds the backend at boot by its record (the backend loads its model
+            # meanwhile, so this costs no time). Killed before, it finds it by its marker.
             await self.m.persist()
+            self.set_status(S.STARTING, reason="spawned", pid=proc.pid)
             await self._wait_ready(proc, backend, config.host, port, timeout)
         except asyncio.CancelledError:
             if not self._detaching:
@@ -684,17 +686,27 @@ class Supervisor:
         (ownership.ours_running, read once for every adoption of a boot). Blocking.
 
         It carries this instance's marker, so it is ours beyond doubt; what the record would
-        add is rebuilt: the port it listens on (the config's, when it asks for one), its log
+        add is rebuilt: its API port (with no record at all, ownership.PORT_VAR in its
+        environment; else the one port it listens on, or the config's among several), its log
         file (its standard output, when that lies in LOG_DIR) and its start time. The key it
         was given is unknown, as for records older than key fingerprints."""
         marker = self.m.marker(self.id)
         ident = ownership.backend_root(carrying)
         if ident is None:
             return None
-        ports = ownership.listening_ports(ident, listening)
-        wanted = getattr(self.instance.config, "port", None)
-        if wanted in ports:
-            ports = [wanted]
+        given = ownership.given_port(ident.pid)
+        if given is not None and self.stored.process is None:
+            # The host died between this spawn and its record: the port the host handed it is
+            # its API, even before it listens (still loading). Where a record names another
+            # process, the listener is still asked for: the oldest session leader with the
+            # marker may then be a worker outliving the recorded backend (setsid), which
+            # carries the same port in its environment but never listens on it.
+            ports = [given]
+        else:  # a record of another process, or a backend of a host older than PORT_VAR
+            ports = ownership.listening_ports(ident, listening)
+            wanted = getattr(self.instance.config, "port", None)
+            if wanted in ports:
+                ports = [wanted]
         if len(ports) != 1:
             log.warning(
                 "backend pid %s of %s carries its marker but listens on %s: not adopted",
