@@ -14,11 +14,21 @@ at temperature 0 and reads the stream to the end. Tokens are the servers' own us
 first chunk with text. Phases of the two servers alternate at each client count, so both see
 the same machine.
 
+Two kinds of load run, each printed as its own table:
+
+- equal lengths: every request asks --max-tokens tokens, so the clients, started together,
+  finish together and ask again together: a burst of C new prompts each round, with no running
+  batch to join (the prompts of a burst are prefilled while the others wait);
+- mixed lengths: each client draws each request's length from half to 1.5 times --max-tokens
+  (seeded per client, so both servers get the same requests): arrivals spread out, and a new
+  request joins a batch that is already generating, as chat traffic does.
+
 Target (issue 20): with 8 clients, at least 3x the one-at-a-time aggregate tokens/s, and a p50
-TTFT at most 3x the single-client p50.
+TTFT at most 3x the single-client p50 ("a new request joins the running batch at the next step":
+the mixed-lengths table; the equal-lengths one shows the burst case beside it).
 
     .venv/bin/python bench/hf_chat_concurrency.py [--seconds 8] [--max-tokens 32]
-        [--size tiny|small|medium] [--model DIR] [--clients 1,4,8,16]
+        [--size tiny|small|medium] [--model DIR] [--clients 1,4,8,16] [--lengths both]
 
 --size tiny is the tests' 2-layer 32-wide GPT-2; small is a 4-layer 256-wide one and medium a
 12-layer 768-wide one (GPT-2's own shape, random weights, the tiny one's tokenizer): more work
@@ -56,7 +66,9 @@ PROMPTS = [
 # ---- client process ---------------------------------------------------------------------
 
 
-async def _load(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+async def _load(url: str, clients: int, seconds: float, max_tokens: int, lengths: str) -> dict:
+    import random
+
     import aiohttp  # a lighter client than httpx: the clients share the machine with the server
 
     ttft: list[float] = []
@@ -70,10 +82,14 @@ async def _load(url: str, clients: int, seconds: float, max_tokens: int) -> dict
         async def one(i: int, stop_at: float) -> None:
             nonlocal tokens, requests, errors
             n = i
+            rng = random.Random(i)  # the same lengths for both servers
             while time.perf_counter() < stop_at:
+                wanted = max_tokens
+                if lengths == "mixed":
+                    wanted = rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2)
                 body = {
                     "messages": [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}],
-                    "max_tokens": max_tokens,
+                    "max_tokens": wanted,
                     "temperature": 0,
                     "stream": True,
                     "stream_options": {"include_usage": True},
@@ -116,12 +132,13 @@ async def _load(url: str, clients: int, seconds: float, max_tokens: int) -> dict
 
 def client_main(argv: list[str]) -> None:
     url, clients, seconds, max_tokens = argv[0], int(argv[1]), float(argv[2]), int(argv[3])
-    print(json.dumps(asyncio.run(_load(url, clients, seconds, max_tokens))))
+    print(json.dumps(asyncio.run(_load(url, clients, seconds, max_tokens, argv[4]))))
 
 
-def run_client(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+def run_client(url: str, clients: int, seconds: float, max_tokens: int, lengths: str) -> dict:
+    argv = [url, str(clients), str(seconds), str(max_tokens), lengths]
     out = subprocess.run(
-        [sys.executable, __file__, "--client", url, str(clients), str(seconds), str(max_tokens)],
+        [sys.executable, __file__, "--client", *argv],
         capture_output=True,
         text=True,
         timeout=seconds + 600,
@@ -224,8 +241,15 @@ def main() -> None:
     p.add_argument("--clients", default="1,4,8,16")
     p.add_argument("--size", choices=["tiny", "small", "medium"], default="tiny")
     p.add_argument("--model", default=None, help="a local causal model directory")
+    p.add_argument(
+        "--lengths",
+        choices=["both", "equal", "mixed"],
+        default="both",
+        help="equal: every request asks --max-tokens; mixed: from half to 1.5 times it",
+    )
     args = p.parse_args()
     counts = [int(x) for x in args.clients.split(",")]
+    modes = ["equal", "mixed"] if args.lengths == "both" else [args.lengths]
     sys.path.insert(0, str(ROOT))
 
     with tempfile.TemporaryDirectory(prefix="hf-chat-bench-") as tmp:
@@ -239,11 +263,14 @@ def main() -> None:
         try:
             wait_ready(list(servers.values()))
             for _proc, url, _log in servers.values():  # warm-up
-                run_client(url, 2, 1.0, args.max_tokens)
-            results: dict[tuple[str, int], dict] = {}
-            for c in counts:
-                for name, (_proc, url, _log) in servers.items():
-                    results[(name, c)] = run_client(url, c, args.seconds, args.max_tokens)
+                run_client(url, 2, 1.0, args.max_tokens, "equal")
+            results: dict[tuple[str, str, int], dict] = {}
+            for mode in modes:
+                for c in counts:
+                    for name, (_proc, url, _log) in servers.items():
+                        results[(mode, name, c)] = run_client(
+                            url, c, args.seconds, args.max_tokens, mode
+                        )
         finally:
             for proc, _url, _log in servers.values():
                 proc.terminate()
@@ -258,32 +285,48 @@ def main() -> None:
         f"model: {args.model or args.size}, max_tokens {args.max_tokens}, {args.seconds:g} s "
         f"per phase, {os.cpu_count()} CPUs, load average {load}"
     )
-    print(
-        f"{'clients':>7} | {'server':<13} | {'tok/s':>8} | {'req':>5} | {'err':>3} | "
-        f"{'TTFT p50 ms':>11} | {'TTFT p99 ms':>11}"
-    )
 
     def tps(r: dict) -> float:
         return r["tokens"] / r["seconds"]
 
-    for c in counts:
-        for name in servers:
-            r = results[(name, c)]
-            print(
-                f"{c:>7} | {name:<13} | {tps(r):>8.1f} | {r['requests']:>5} | {r['errors']:>3} | "
-                f"{pct(r['ttft'], 50) * 1000:>11.1f} | {pct(r['ttft'], 99) * 1000:>11.1f}"
-            )
-    if 8 in counts and 1 in counts:
-        b8, o8 = results[("batched", 8)], results[("one-at-a-time", 8)]
-        b1 = results[("batched", 1)]
-        o1 = results[("one-at-a-time", 1)]
-        base = max(tps(o8), tps(o1))  # one at a time: the better of its two figures
-        speed = tps(b8) / base
-        ttft = statistics.median(b8["ttft"]) / statistics.median(b1["ttft"])
+    for mode in modes:
+        print()
+        print(MODE_TITLES[mode].format(n=args.max_tokens))
         print(
-            f"8 clients: {speed:.2f}x the one-at-a-time aggregate tokens/s (target >= 3x); "
-            f"p50 TTFT {ttft:.2f}x the single-client p50 (target <= 3x)"
+            f"{'clients':>7} | {'server':<13} | {'tok/s':>8} | {'req':>5} | {'err':>3} | "
+            f"{'TTFT p50 ms':>11} | {'TTFT p99 ms':>11}"
         )
+        for c in counts:
+            for name in servers:
+                r = results[(mode, name, c)]
+                print(
+                    f"{c:>7} | {name:<13} | {tps(r):>8.1f} | {r['requests']:>5} | "
+                    f"{r['errors']:>3} | {pct(r['ttft'], 50) * 1000:>11.1f} | "
+                    f"{pct(r['ttft'], 99) * 1000:>11.1f}"
+                )
+        if 8 in counts and 1 in counts:
+            b8, o8 = results[(mode, "batched", 8)], results[(mode, "one-at-a-time", 8)]
+            b1 = results[(mode, "batched", 1)]
+            o1 = results[(mode, "one-at-a-time", 1)]
+            base = max(tps(o8), tps(o1))  # one at a time: the better of its two figures
+            speed = tps(b8) / base
+            ttft = statistics.median(b8["ttft"]) / statistics.median(b1["ttft"])
+            print(
+                f"8 clients, {mode} lengths: {speed:.2f}x the one-at-a-time aggregate tokens/s "
+                f"(target >= 3x); p50 TTFT {ttft:.2f}x the single-client p50 (target <= 3x)"
+            )
+
+
+MODE_TITLES = {
+    "equal": (
+        "equal lengths (every request asks {n} tokens): the clients finish together and ask "
+        "again together, a burst each round, and no running batch to join"
+    ),
+    "mixed": (
+        "mixed lengths (each request asks a length drawn from {n}/2 to 1.5x{n}): requests "
+        "arrive while others generate and join the running batch"
+    ),
+}
 
 
 if __name__ == "__main__":
