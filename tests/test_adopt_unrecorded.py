@@ -172,3 +172,30 @@ def test_unrecorded_backend_still_loading_is_adopted_on_the_port_it_was_given(
         inst = wait_status(h, iid, "running")
         assert (inst["pid"], inst["port"]) == (before["pid"], before["port"]), inst
         assert [p.pid for p in h.backends()] == [before["pid"]]
+
+
+def test_backend_adopted_without_its_record_is_restarted_for_a_new_api_key(
+    tmp_path: Path,
+) -> None:
+    """The fingerprint of the key a backend was given travels in its environment: adopted by
+    its marker after API_KEY changed, it is restarted like a recorded one."""
+    with HostProc(tmp_path, api_key="old-key-0123456789abcdef") as h:
+        h.start()
+        iid, before = running(h, "keyed")
+        settled_on_disk(h, iid)
+        h.kill()
+        rewrite_entry(h, iid, no_record)
+        h.api_key = "new-key-fedcba9876543210"
+        h.start()
+        deadline = time.monotonic() + 30
+        while True:
+            inst = instance(h, iid)
+            if inst["status"] == "running" and inst["pid"] != before["pid"]:
+                break
+            assert time.monotonic() < deadline, inst
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{inst['port']}/v1/models"
+        auth = {"Authorization": f"Bearer {h.api_key}"}
+        assert httpx.get(url, headers=auth).status_code == 200
+        assert "by its marker" in h.log() and "no longer the host's" in h.log()
+        assert [p.pid for p in h.backends()] == [inst["pid"]]

@@ -39,6 +39,9 @@ MARKER_VAR = "SOLAR_HOST_MARKER"
 # The API port the host gave the backend, beside the marker: a backend whose spawn the host did
 # not live to record, and that does not listen yet (still loading), is adopted on this port.
 PORT_VAR = "SOLAR_HOST_BACKEND_PORT"
+# The fingerprint of the API key it was given (key_fingerprint; never the key, which the backend
+# gets in its own variable): one adopted without its record is restarted after API_KEY changed.
+KEY_VAR = "SOLAR_HOST_KEY_HASH"
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 T = TypeVar("T")
 
@@ -169,6 +172,14 @@ def given_port(pid: int) -> int | None:
         return None
     port = int(value)
     return port if 0 < port < 65536 else None
+
+
+def given_key_hash(pid: int) -> str | None:
+    """KEY_VAR as `pid` was exec'd with, when it has the shape of a key_fingerprint."""
+    value = spawn_env_of(pid, KEY_VAR)
+    if value is None or len(value) != 32 or value.strip("0123456789abcdef"):
+        return None
+    return value
 
 
 def is_ours(pid: int, expected_marker: str) -> bool:

@@ -270,6 +270,8 @@ class Supervisor:
         # Ours, provably: exec and fork keep it; ownership.py reads it back from /proc.
         env[ownership.MARKER_VAR] = self.m.marker(self.id)
         env[ownership.PORT_VAR] = str(port)
+        key_hash = self.m.key_hash(ctx.host_api_key)
+        env[ownership.KEY_VAR] = key_hash
 
         if self.deleted:
             self.m.ports.release(port)
@@ -294,7 +296,7 @@ class Supervisor:
             marker=proc.marker,
             cmdline=proc.cmdline,
             port=port,
-            key_hash=self.m.key_hash(ctx.host_api_key),
+            key_hash=key_hash,
             log_file=str(log_path),
             spawned_at=datetime.now(UTC).isoformat(),
             seq_base=seq_base,
@@ -688,8 +690,9 @@ class Supervisor:
         It carries this instance's marker, so it is ours beyond doubt; what the record would
         add is rebuilt: its API port (with no record at all, ownership.PORT_VAR in its
         environment; else the one port it listens on, or the config's among several), its log
-        file (its standard output, when that lies in LOG_DIR) and its start time. The key it
-        was given is unknown, as for records older than key fingerprints."""
+        file (its standard output, when that lies in LOG_DIR), its start time and the
+        fingerprint of the key it was given (ownership.KEY_VAR; unknown for a backend of an
+        older host, as for records older than key fingerprints)."""
         marker = self.m.marker(self.id)
         ident = ownership.backend_root(carrying)
         if ident is None:
@@ -733,6 +736,7 @@ class Supervisor:
             marker=marker,
             cmdline=cmdline,
             port=ports[0],
+            key_hash=ownership.given_key_hash(ident.pid),
             log_file=str(log_file) if log_file is not None else None,
             spawned_at=datetime.fromtimestamp(created, UTC).isoformat(),
         )
