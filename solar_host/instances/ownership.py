@@ -42,6 +42,7 @@ PORT_VAR = "SOLAR_HOST_BACKEND_PORT"
 # The fingerprint of the API key it was given (key_fingerprint; never the key, which the backend
 # gets in its own variable): one adopted without its record is restarted after API_KEY changed.
 KEY_VAR = "SOLAR_HOST_KEY_HASH"
+_HEX = b"0123456789abcdef"  # key_fingerprint's alphabet
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 T = TypeVar("T")
 
@@ -145,41 +146,45 @@ def marker(host_id: str, instance_id: str) -> str:
     return f"{host_id}:{instance_id}"
 
 
-def spawn_env_of(pid: int, name: str) -> str | None:
-    """Variable `name` as `pid` was exec'd with (None when absent or unreadable)."""
+def marker_of(pid: int) -> str | None:
+    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()
     except OSError:
         return None
-    key = name.encode() + b"="
+    key = MARKER_VAR.encode() + b"="
     for item in env.split(b"\0"):
         if item.startswith(key):
             return item[len(key) :].decode("utf-8", "replace")
     return None
 
 
-def marker_of(pid: int) -> str | None:
-    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
-    return spawn_env_of(pid, MARKER_VAR)
+@dataclass(frozen=True, slots=True)
+class SpawnFacts:
+    """What the host handed a backend in its environment besides the marker (None where a
+    backend of an older host, or an unreadable environment, does not say)."""
+
+    port: int | None
+    key_hash: str | None
 
 
-def given_port(pid: int) -> int | None:
-    """PORT_VAR as `pid` was exec'd with, when it is a port number (None otherwise: a backend
-    spawned by an older host, or an unreadable environment)."""
-    value = spawn_env_of(pid, PORT_VAR)
-    if value is None or not value.isdigit():
-        return None
-    port = int(value)
-    return port if 0 < port < 65536 else None
-
-
-def given_key_hash(pid: int) -> str | None:
-    """KEY_VAR as `pid` was exec'd with, when it has the shape of a key_fingerprint."""
-    value = spawn_env_of(pid, KEY_VAR)
-    if value is None or len(value) != 32 or value.strip("0123456789abcdef"):
-        return None
-    return value
+def spawn_facts(pid: int) -> SpawnFacts:
+    """PORT_VAR and KEY_VAR as `pid` was exec'd with, from one read of its environment."""
+    port: int | None = None
+    key_hash: str | None = None
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return SpawnFacts(None, None)
+    for item in items:
+        name, _, value = item.partition(b"=")
+        if name == PORT_VAR.encode() and value.isdigit() and 0 < int(value) < 65536:
+            port = int(value)
+        elif name == KEY_VAR.encode() and len(value) == 32 and not value.strip(_HEX):
+            key_hash = value.decode()
+    return SpawnFacts(port, key_hash)
 
 
 def is_ours(pid: int, expected_marker: str) -> bool:

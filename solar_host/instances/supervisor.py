@@ -697,14 +697,14 @@ class Supervisor:
         ident = ownership.backend_root(carrying)
         if ident is None:
             return None
-        given = ownership.given_port(ident.pid)
-        if given is not None and self.stored.process is None:
+        given = ownership.spawn_facts(ident.pid)
+        if given.port is not None and self.stored.process is None:
             # The host died between this spawn and its record: the port the host handed it is
             # its API, even before it listens (still loading). Where a record names another
             # process, the listener is still asked for: the oldest session leader with the
             # marker may then be a worker outliving the recorded backend (setsid), which
             # carries the same port in its environment but never listens on it.
-            ports = [given]
+            ports = [given.port]
         else:  # a record of another process, or a backend of a host older than PORT_VAR
             ports = ownership.listening_ports(ident, listening)
             wanted = getattr(self.instance.config, "port", None)
@@ -736,7 +736,7 @@ class Supervisor:
             marker=marker,
             cmdline=cmdline,
             port=ports[0],
-            key_hash=ownership.given_key_hash(ident.pid),
+            key_hash=given.key_hash,
             log_file=str(log_file) if log_file is not None else None,
             spawned_at=datetime.fromtimestamp(created, UTC).isoformat(),
         )
