@@ -76,6 +76,7 @@ def make_settings(tmp_path: Path, **kw: Any) -> Settings:
         "config_file": tmp_path / "config.json",
         "models_dir": tmp_path / "models",
         "jobs_dir": tmp_path / "jobs",
+        "log_dir": tmp_path / "logs",
         "hf_cache_dir": tmp_path / "hf",
         "job_network_mode": "none",
         "hf_token": SECRET,
@@ -520,6 +521,9 @@ async def test_restart_mid_job_marks_it_failed(dockerd: DockerDaemon, tmp_path: 
     cfg = {
         "settings": {
             "api_key": KEY,
+            "config_file": str(tmp_path / "config.json"),
+            "log_dir": str(tmp_path / "logs"),
+            "models_dir": str(tmp_path / "models"),
             "jobs_dir": str(tmp_path / "jobs"),
             "hf_cache_dir": str(tmp_path / "hf"),
             "job_network_mode": "none",

@@ -133,7 +133,11 @@ async def test_loading_holds_and_reservations_see_each_other(tmp_path: Path, mod
     from solar_host.settings import Settings
 
     probe = FakeProbe(gpus=[(10, 0)])
-    settings = Settings(models_dir=tmp_path / "models", jobs_dir=tmp_path / "jobs")
+    settings = Settings(
+        config_file=tmp_path / "config.json",
+        models_dir=tmp_path / "models",
+        jobs_dir=tmp_path / "jobs",
+    )
     resources = ResourceService(settings, bus=EventBus(), probe=probe)
     gate = CapacityGate(probe, reserved=resources.reserved_bytes)
     resources.loading = gate.holds
