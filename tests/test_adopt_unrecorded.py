@@ -79,6 +79,7 @@ def older_record(entry: dict[str, Any]) -> None:
     # A restored older copy: the record names the instance's previous backend, long gone.
     entry["process"]["pid"] = 4_000_000
     entry["process"]["start_ticks"] = 1
+    entry["process"]["spawn_id"] = "0" * 32  # that backend's spawn, not this one
 
 
 @pytest.mark.parametrize("how", [no_record, older_record], ids=["no record", "older record"])
@@ -136,11 +137,13 @@ def test_backend_of_an_instance_recorded_stopped_is_still_stopped(tmp_path: Path
         assert instance(h, iid)["status"] == "stopped"
 
 
+@pytest.mark.parametrize("how", [no_record, older_record], ids=["no record", "older record"])
 def test_unrecorded_backend_still_loading_is_adopted_on_the_port_it_was_given(
-    tmp_path: Path,
+    tmp_path: Path, how
 ) -> None:
     """Killed between spawn and record while the backend still loads (it listens on nothing
-    yet): the port the host gave it, in its environment, says which socket will be its API."""
+    yet): the port the host gave it, in its environment, says which socket will be its API.
+    With a record of an earlier spawn on disk too: its spawn id says this one came after."""
     with HostProc(tmp_path) as h:
         h.start()
         with h.client() as c:
@@ -163,7 +166,7 @@ def test_unrecorded_backend_still_loading_is_adopted_on_the_port_it_was_given(
             socket.create_connection(("127.0.0.1", before["port"]), timeout=2).close()
         h.kill()
         starter.join(10)
-        rewrite_entry(h, iid, no_record)
+        rewrite_entry(h, iid, how)
         h.start()
         inst = instance(h, iid)
         assert inst["status"] == "starting", inst

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import secrets
 import threading
 import uuid
 from collections.abc import Callable
@@ -42,6 +43,11 @@ PORT_VAR = "SOLAR_HOST_BACKEND_PORT"
 # The fingerprint of the API key it was given (key_fingerprint; never the key, which the backend
 # gets in its own variable): one adopted without its record is restarted after API_KEY changed.
 KEY_VAR = "SOLAR_HOST_KEY_HASH"
+# A nonce of this spawn, kept in its process record too. A marker carrier whose nonce differs
+# from the record's is a later spawn the host did not live to record (adopted on PORT_VAR even
+# while it loads); one with the record's own nonce descends from the recorded backend (a worker
+# outliving it), which is adopted only if it listens.
+SPAWN_VAR = "SOLAR_HOST_SPAWN_ID"
 _HEX = b"0123456789abcdef"  # key_fingerprint's alphabet
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 T = TypeVar("T")
@@ -167,12 +173,19 @@ class SpawnFacts:
 
     port: int | None
     key_hash: str | None
+    spawn_id: str | None = None
+
+
+def new_spawn_id() -> str:
+    return secrets.token_hex(16)
 
 
 def spawn_facts(pid: int) -> SpawnFacts:
-    """PORT_VAR and KEY_VAR as `pid` was exec'd with, from one read of its environment."""
+    """PORT_VAR, KEY_VAR and SPAWN_VAR as `pid` was exec'd with, from one read of its
+    environment."""
     port: int | None = None
     key_hash: str | None = None
+    spawn_id: str | None = None
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             items = f.read().split(b"\0")
@@ -182,9 +195,12 @@ def spawn_facts(pid: int) -> SpawnFacts:
         name, _, value = item.partition(b"=")
         if name == PORT_VAR.encode() and value.isdigit() and 0 < int(value) < 65536:
             port = int(value)
-        elif name == KEY_VAR.encode() and len(value) == 32 and not value.strip(_HEX):
-            key_hash = value.decode()
-    return SpawnFacts(port, key_hash)
+        elif len(value) == 32 and not value.strip(_HEX):
+            if name == KEY_VAR.encode():
+                key_hash = value.decode()
+            elif name == SPAWN_VAR.encode():
+                spawn_id = value.decode()
+    return SpawnFacts(port, key_hash, spawn_id)
 
 
 def is_ours(pid: int, expected_marker: str) -> bool:

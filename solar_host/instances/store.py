@@ -55,6 +55,8 @@ class ProcessRecord(Tracked):
     port: int
     # ownership.key_fingerprint of the host API key the backend was given (never the key).
     key_hash: str | None = None
+    # ownership.SPAWN_VAR's value (None: a record older than spawn ids).
+    spawn_id: str | None = None
     log_file: str | None = None
     spawned_at: str | None = None
     # seq of the first line of this log file, so seqs continue after a re-adoption.

@@ -272,6 +272,8 @@ class Supervisor:
         env[ownership.PORT_VAR] = str(port)
         key_hash = self.m.key_hash(ctx.host_api_key)
         env[ownership.KEY_VAR] = key_hash
+        spawn_id = ownership.new_spawn_id()
+        env[ownership.SPAWN_VAR] = spawn_id
 
         if self.deleted:
             self.m.ports.release(port)
@@ -297,6 +299,7 @@ class Supervisor:
             cmdline=proc.cmdline,
             port=port,
             key_hash=key_hash,
+            spawn_id=spawn_id,
             log_file=str(log_path),
             spawned_at=datetime.now(UTC).isoformat(),
             seq_base=seq_base,
@@ -679,6 +682,16 @@ class Supervisor:
         marker = ownership.marker_of(rec.pid)
         return procs.BackendProcess(ident, marker if marker == expected else None), ""
 
+    def _later_spawn(self, given: ownership.SpawnFacts) -> bool:
+        """Whether a marker carrier with these spawn facts was spawned after the recorded
+        process (or with no record at all). The oldest session leader with the marker may be
+        a worker outliving the recorded backend (setsid): it has the backend's port and spawn
+        id in its environment, but never listens; a different spawn id is a later spawn."""
+        rec = self.stored.process
+        if rec is None:
+            return True
+        return None not in (rec.spawn_id, given.spawn_id) and rec.spawn_id != given.spawn_id
+
     def unrecorded_process(
         self, carrying: list[ownership.Identity], listening: dict[int, set[int]] | None
     ) -> tuple[procs.BackendProcess, ProcessRecord] | None:
@@ -688,8 +701,9 @@ class Supervisor:
         (ownership.ours_running, read once for every adoption of a boot). Blocking.
 
         It carries this instance's marker, so it is ours beyond doubt; what the record would
-        add is rebuilt: its API port (with no record at all, ownership.PORT_VAR in its
-        environment; else the one port it listens on, or the config's among several), its log
+        add is rebuilt: its API port (with no record, or a record of an earlier spawn,
+        ownership.PORT_VAR in its environment; else the one port it listens on, or the config's
+        among several), its log
         file (its standard output, when that lies in LOG_DIR), its start time and the
         fingerprint of the key it was given (ownership.KEY_VAR; unknown for a backend of an
         older host, as for records older than key fingerprints)."""
@@ -698,14 +712,11 @@ class Supervisor:
         if ident is None:
             return None
         given = ownership.spawn_facts(ident.pid)
-        if given.port is not None and self.stored.process is None:
+        if given.port is not None and self._later_spawn(given):
             # The host died between this spawn and its record: the port the host handed it is
-            # its API, even before it listens (still loading). Where a record names another
-            # process, the listener is still asked for: the oldest session leader with the
-            # marker may then be a worker outliving the recorded backend (setsid), which
-            # carries the same port in its environment but never listens on it.
+            # its API, even before it listens (still loading).
             ports = [given.port]
-        else:  # a record of another process, or a backend of a host older than PORT_VAR
+        else:  # a descendant of the recorded backend, or a backend of an older host
             ports = ownership.listening_ports(ident, listening)
             wanted = getattr(self.instance.config, "port", None)
             if wanted in ports:
