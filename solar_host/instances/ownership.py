@@ -152,15 +152,19 @@ def marker(host_id: str, instance_id: str) -> str:
     return f"{host_id}:{instance_id}"
 
 
-def marker_of(pid: int) -> str | None:
-    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
+def _exec_environ(pid: int) -> list[bytes] | None:
+    """The NAME=value items `pid` was exec'd with (None when unreadable)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read()
+            return f.read().split(b"\0")
     except OSError:
         return None
+
+
+def marker_of(pid: int) -> str | None:
+    """MARKER_VAR as `pid` was exec'd with (None when absent or unreadable)."""
     key = MARKER_VAR.encode() + b"="
-    for item in env.split(b"\0"):
+    for item in _exec_environ(pid) or []:
         if item.startswith(key):
             return item[len(key) :].decode("utf-8", "replace")
     return None
@@ -186,12 +190,7 @@ def spawn_facts(pid: int) -> SpawnFacts:
     port: int | None = None
     key_hash: str | None = None
     spawn_id: str | None = None
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            items = f.read().split(b"\0")
-    except OSError:
-        return SpawnFacts(None, None)
-    for item in items:
+    for item in _exec_environ(pid) or []:
         name, _, value = item.partition(b"=")
         if name == PORT_VAR.encode() and value.isdigit() and 0 < int(value) < 65536:
             port = int(value)

@@ -703,10 +703,9 @@ class Supervisor:
         It carries this instance's marker, so it is ours beyond doubt; what the record would
         add is rebuilt: its API port (with no record, or a record of an earlier spawn,
         ownership.PORT_VAR in its environment; else the one port it listens on, or the config's
-        among several), its log
-        file (its standard output, when that lies in LOG_DIR), its start time and the
-        fingerprint of the key it was given (ownership.KEY_VAR; unknown for a backend of an
-        older host, as for records older than key fingerprints)."""
+        among several), its log file (its standard output, when that lies in LOG_DIR), its
+        start time, and the fingerprint of the key and the spawn id it was given
+        (ownership.KEY_VAR and SPAWN_VAR; unknown for a backend of an older host)."""
         marker = self.m.marker(self.id)
         ident = ownership.backend_root(carrying)
         if ident is None:
@@ -748,6 +747,7 @@ class Supervisor:
             cmdline=cmdline,
             port=ports[0],
             key_hash=given.key_hash,
+            spawn_id=given.spawn_id,
             log_file=str(log_file) if log_file is not None else None,
             spawned_at=datetime.fromtimestamp(created, UTC).isoformat(),
         )
