@@ -36,7 +36,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -44,7 +44,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from solar_host.servers.hf_batcher import DynamicBatcher
@@ -61,6 +61,7 @@ from solar_host.servers.hf_protocol import (
     text_messages,
     vision_messages,
 )
+from solar_host.servers.sse import EventStream
 
 API_KEYS_ENV = "SOLAR_HF_API_KEYS"
 MODEL_TYPES = ("causal", "classification", "embedding", "vision")
@@ -502,9 +503,8 @@ class HFServer:
                     "usage": usage,
                 }
             )
-        return StreamingResponse(
+        return EventStream(
             self._stream(inputs, params, rid, t0, endpoint, chat, oid, created, cancel),
-            media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
@@ -519,7 +519,7 @@ class HFServer:
         oid: str,
         created: int,
         cancel: threading.Event,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if params.include_usage else {}
 
