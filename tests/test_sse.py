@@ -80,7 +80,7 @@ async def served(request):
     async with asyncio.timeout(WAIT_S):
         while not server.started:
             await asyncio.sleep(0.01)
-    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     yield url, trace
     server.should_exit = True
     async with asyncio.timeout(WAIT_S):
