@@ -832,3 +832,41 @@ async def test_a_non_streamed_request_is_cancelled_when_its_client_hangs_up(
             await asyncio.sleep(0.05)
         assert stats["decoding"]["rows"] == 0
         assert stats["decoding"]["finished"] == before["finished"]  # it did not run to the end
+
+
+def test_a_port_taken_while_the_model_loads_is_refused_loudly(
+    tiny_hf_models: TinyHFModels,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Another process binds the port with SO_REUSEADDR (allowed while neither listens) and
+    listens first: the backend must fail when it comes to listen, not report itself running
+    while the other process takes its requests (uvloop does not report that failed listen)."""
+    s = launch("huggingface_classification", tiny_hf_models.classifier, tmp_path / "cls.log")
+    port = int(s.url.rsplit(":", 1)[1])
+    rival = socket.socket()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # until hf_server has bound its port (before it imports torch)
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))  # no SO_REUSEADDR: fails once it is bound
+                except OSError:
+                    break
+            assert s.proc.poll() is None, s.log_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rival.bind(("127.0.0.1", port))
+        rival.listen()
+        while s.proc.poll() is None and "Uvicorn running" not in s.log_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        log = s.log_text()
+        assert s.proc.wait(10) == 1, log
+        assert f"[FATAL] Cannot listen on 127.0.0.1:{port}" in log, log
+        assert "Uvicorn running" not in log
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the port is still the rival's, untouched
+    finally:
+        rival.close()
+        stop([s])

@@ -826,8 +826,9 @@ def bind_early(host: str, port: int) -> socket.socket:
     Loading takes seconds (tens on a loaded machine): a port the host found free could be
     taken in that time by any other process that asks the kernel for a free port, and the
     backend would die at the end of its load. Bound but not listening, the port is ours from
-    the first moment, and a client that connects early is refused at once rather than left
-    waiting in a backlog; uvicorn starts listening on it when the app is ready.
+    the first moment (against everyone but another SO_REUSEADDR binder, which main()'s listen
+    then catches), and a client that connects early is refused at once rather than left
+    waiting in a backlog; main() listens on it once the model has loaded.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -910,6 +911,21 @@ def main(argv: list[str] | None = None) -> int:
                     args.port,
                 )
 
+    # Listen here, where a conflict raises, rather than leave it to uvicorn: SO_REUSEADDR lets
+    # two processes bind one port while neither listens, and the second listen(2) then fails
+    # with EADDRINUSE, which uvloop's create_server does not report. Without this the second
+    # backend logged "Uvicorn running" and served nothing while the first took its requests
+    # (two hf_servers handed one port, seen in CI).
+    try:
+        sock.listen(config.backlog)
+    except OSError as err:
+        print(
+            f"[FATAL] Cannot listen on {args.host}:{args.port}: {err} (another process bound "
+            "the port while the model loaded)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     server = Server(config)
     server.run(sockets=[sock])
     if not server.started:
