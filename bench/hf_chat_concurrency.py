@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -152,12 +151,6 @@ def run_client(url: str, clients: int, seconds: float, max_tokens: int, lengths:
 # ---- servers ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_model(root: Path, size: str) -> Path:
     sys.path.insert(0, str(ROOT))
     from tests.fixtures.hf_models import build_tiny_hf_models
@@ -193,6 +186,7 @@ def build_model(root: Path, size: str) -> Path:
 def start_server(model_dir: Path, max_batch: int, log: Path) -> tuple[subprocess.Popen, str]:
     from solar_host.backends.base import LaunchContext
     from solar_host.backends.huggingface import BACKEND
+    from tests.fixtures.ports import free_port
 
     cfg = BACKEND.config_model("huggingface_causal").model_validate(
         {

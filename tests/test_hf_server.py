@@ -25,6 +25,7 @@ from solar_host.backends.base import LaunchContext
 from solar_host.backends.huggingface import BACKEND
 from solar_host.servers.hf_protocol import APIError, StopScanner, decode_data_uri, vision_messages
 from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
+from tests.fixtures.ports import free_port
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
 
@@ -33,12 +34,6 @@ HOST_KEY = "host-key-123"
 INST_KEY = "instance-key-456"
 AUTH = {"Authorization": f"Bearer {HOST_KEY}"}
 START_TIMEOUT_S = 300  # torch imports took 64 s at load average 90 on the 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,6 +19,7 @@ from solar_host.backends.sglang import BACKEND, SglangLogParser, usage_snapshot
 from solar_host.backends.sglang_config import SglangConfig
 from solar_host.instances.backend_env import write_private_files
 from tests.fixtures.fake_sglang import make_fake_sglang_venv
+from tests.fixtures.ports import free_port
 
 FIXTURE = Path(__file__).parent / "fixtures" / "sglang_server.log"
 
@@ -344,12 +344,6 @@ class FakeServer:
 
     def scrape(self) -> dict[str, float]:
         return parse_prometheus_text(httpx.get(f"{self.url}/metrics", timeout=5).text)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
