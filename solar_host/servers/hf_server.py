@@ -61,7 +61,7 @@ from solar_host.servers.hf_protocol import (
     text_messages,
     vision_messages,
 )
-from solar_host.servers.sse import EventStream
+from solar_host.servers.sse import EventStream, hang_up
 
 API_KEYS_ENV = "SOLAR_HF_API_KEYS"
 MODEL_TYPES = ("causal", "classification", "embedding", "vision")
@@ -667,11 +667,7 @@ async def _unless_disconnected(work: Awaitable[Any], request: Request | None) ->
     if request is None:
         return await task
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(gone())
+    watch = asyncio.ensure_future(hang_up(request.receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:

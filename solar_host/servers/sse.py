@@ -22,6 +22,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 
+async def hang_up(receive: Receive) -> None:
+    """Return once the client has gone (ASGI `http.disconnect`). Only after the request body
+    has been read: until then `receive` answers with the body's parts, which this skips."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class EventStream(Response):
     media_type = "text/event-stream"
 
@@ -41,10 +48,8 @@ class EventStream(Response):
 
         async def watch() -> None:
             nonlocal hung_up
-            # The request body was read before the response began, so what arrives now is the
-            # disconnect (or, once the response is complete, its echo, which `live` ignores).
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            # Also answered once the response is complete: that echo `live` ignores.
+            await hang_up(receive)
             if live:
                 hung_up = True
                 streaming.cancel()
