@@ -606,6 +606,22 @@ async def test_marker_log_writes_once_per_loop_turn_in_order(monkeypatch) -> Non
     await asyncio.sleep(0)
     assert writes[-1] == "[REQUEST] id=x-3\n"
 
+    # Generations that finish in one turn: each resumes only once its line is in the file,
+    # and all of them cost one write.
+    writes.clear()
+    seen: list[list[str]] = []
+
+    async def finish(i: int) -> None:
+        log.line(f"[COMPLETE] id=g-{i}")
+        await log.written()
+        seen.append(list(writes))
+
+    await asyncio.gather(*(finish(i) for i in range(4)))
+    assert writes == ["".join(f"[COMPLETE] id=g-{i}\n" for i in range(4))]
+    assert seen == [writes] * 4
+    await log.written()  # nothing queued: returns at once
+    assert len(writes) == 1
+
 
 async def test_batcher_waits_at_most_the_window_plus_one_forward_pass() -> None:
     from concurrent.futures import ThreadPoolExecutor

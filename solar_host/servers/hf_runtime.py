@@ -22,6 +22,7 @@ import torch
 
 from solar_host.servers.hf_decode import GenResult
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
+from solar_host.servers.prompt_encoder import PromptEncoder
 
 MAX_IMAGE_PIXELS = 40_000_000  # a decompression bomb is refused from its header
 
@@ -345,6 +346,7 @@ class CausalEngine:
         self.model, self.tok, self.device = model, tokenizer, device
         self.limit = _model_limit(model, opts.max_length)
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.encode = PromptEncoder(tokenizer)  # runs on the event loop: keeps the GIL
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
         if self.has_template:
@@ -356,7 +358,7 @@ class CausalEngine:
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         # A chat template writes its own BOS; a raw completion prompt gets the tokenizer's.
-        ids = self.tok(prompt, add_special_tokens=not chat)["input_ids"]
+        ids = self.encode(prompt, add_special_tokens=not chat)
         if len(ids) >= self.limit:
             raise APIError(
                 400,

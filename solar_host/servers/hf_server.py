@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import sys
@@ -94,13 +95,10 @@ class MarkerLog:
         self._pending: list[str] = []
         self._scheduled = False
 
-    def line(self, text: str, now: bool = False) -> None:
-        """Queue a line; `now` writes it (and any queued before it) before returning: for the
-        lines a client may act on as soon as its response ends (a finished generation)."""
+    def line(self, text: str) -> None:
+        """Queue a line, written at the end of this loop turn (see `written` for the lines a
+        client may act on as soon as its response ends)."""
         self._pending.append(text)
-        if now:
-            self.flush()
-            return
         if self._scheduled:
             return
         try:
@@ -110,6 +108,15 @@ class MarkerLog:
             return
         self._scheduled = True
         loop.call_soon(self.flush)
+
+    async def written(self) -> None:
+        """Return once every line queued so far is in the file. The write scheduled for this
+        turn runs before this coroutine resumes (the loop runs callbacks in order), so eight
+        generations that finish in one decode step cost one write, not eight: each write lets
+        go of the GIL, and the loop then waits for the decode thread to hand it back."""
+        if self._pending:
+            await asyncio.sleep(0)
+            self.flush()  # only if a line came after the scheduled write: normally a no-op
 
     def flush(self) -> None:
         self._scheduled = False
@@ -216,6 +223,10 @@ class HFServer:
         self.decoder: Any = None
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
+        # Response ids: unique, not secret. secrets.token_hex reads os.urandom, a system call
+        # that lets go of the GIL, and the event loop then waits for the decode thread to hand it
+        # back (see prompt_encoder): once per request, on the loop every request queues behind.
+        self._rand = random.Random(secrets.randbits(128))
         self.in_flight = 0
         self.generating = 0
         self.completed = 0
@@ -263,6 +274,10 @@ class HFServer:
             ok |= hmac.compare_digest(g, k)
         return ok
 
+    def response_id(self) -> str:
+        """24 hex digits, as secrets.token_hex(12) gives, without a system call."""
+        return f"{self._rand.getrandbits(96):024x}"
+
     def begin(self, endpoint: str) -> tuple[str, float]:
         rid = f"{self._prefix}-{next(self._ids)}"
         self.in_flight += 1
@@ -270,10 +285,10 @@ class HFServer:
         return rid, time.perf_counter()
 
     def complete(self, rid: str, endpoint: str, t0: float, prompt: int, completion: int) -> None:
-        """The [COMPLETE] marker. A generation's is written at once, before its response's last
-        event goes out, and carries its own start and end times: the host's last-generation
-        record is then this request's as soon as its client has read the response, however late
-        the host reads the log."""
+        """The [COMPLETE] marker. A generation's carries its own start and end times, and its
+        caller awaits `log.written()` before the response's last event goes out: the host's
+        last-generation record is then this request's as soon as its client has read the
+        response, however late the host reads the log."""
         self.in_flight -= 1
         self.completed += 1
         elapsed = time.perf_counter() - t0
@@ -286,7 +301,7 @@ class HFServer:
             end = datetime.now(UTC)
             start = end - timedelta(seconds=elapsed)
             line += f" started_at={start.isoformat()} finished_at={end.isoformat()}"
-        self.log.line(line, now=generation)
+        self.log.line(line)
 
     def fail(self, rid: str, endpoint: str, status: int, message: str) -> None:
         self.in_flight -= 1
@@ -393,7 +408,7 @@ class HFServer:
         self.complete(rid, "/v1/classify", t0, tokens, 0)
         return json_response(
             {
-                "id": f"clf-{secrets.token_hex(12)}",
+                "id": f"clf-{self.response_id()}",
                 "object": "classification",
                 "created": int(time.time()),
                 "model": self.alias,
@@ -467,7 +482,7 @@ class HFServer:
         self, inputs: Any, params: Any, rid: str, t0: float, endpoint: str, chat: bool
     ) -> Response:
         cancel = threading.Event()
-        oid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        oid = ("chatcmpl-" if chat else "cmpl-") + self.response_id()
         created = int(time.time())
         if not params.stream:
             run = self._start(inputs, params, False, cancel)
@@ -479,6 +494,7 @@ class HFServer:
             finally:
                 self.generating -= 1
             self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
+            await self.log.written()
             usage = _usage(res)
             if chat:
                 choice = {
@@ -564,6 +580,7 @@ class HFServer:
             # request's record at the host (see complete()).
             done = True
             self.complete(rid, endpoint, t0, res.prompt_tokens, res.completion_tokens)
+            await self.log.written()
             yield chunk(None, res.finish_reason)
             if params.include_usage:
                 tail = {"id": oid, "object": obj, "created": created, "model": self.alias}
