@@ -5,6 +5,7 @@ request's greedy text and usage are what it gets alone (issue 20)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -42,9 +43,11 @@ def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[lis
     results: dict[int, GenResult | BaseException] = {}
     order: list[int] = []  # which request got its first piece, in order
 
-    def post(calls: list) -> None:  # called on the scheduler thread: run them right there
+    def post(calls: list, then: Any) -> None:  # on the scheduler thread: run them right there
         for fn, arg in calls:
             fn(arg)
+        if then is not None:
+            then()
 
     sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, prefill_group_s=group_s)
     sched.start()
@@ -84,7 +87,7 @@ def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[lis
 
 def test_prefill_groups_fit_the_time_budget_at_the_measured_cost(model) -> None:
     lm, tok = model
-    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls: None, prefill_group_s=0.010)
+    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls, then: None, prefill_group_s=0.010)
     reqs = [GenRequest([0] * n, GenParams(), 1, None, lambda r: None) for n in (4, 5, 2, 12, 1)]
     sched._mergeable = True
     # Nothing measured yet: one prefill for all.
@@ -128,3 +131,53 @@ def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
     assert narrow["max_rows"] == len(PROMPTS)  # the groups still shared the decode steps
     # The first group's first pieces go out first (before the later groups are prefilled).
     assert next(i for i in narrow["order"] if i >= 0) == 0
+
+
+def handoff_trace(model, monkeypatch, hand_back_after: float | None, bound_s: float) -> list:
+    """One request of 4 tokens; the event loop's stand-in hands back after a prefill's post
+    only after `hand_back_after` seconds (None: never). Returns (what, steps, time) events."""
+    import solar_host.servers.hf_decode as hf_decode
+
+    monkeypatch.setattr(hf_decode, "HANDOFF_S", bound_s)
+    lm, tok = model
+    events: list[tuple[str, int, float]] = []
+    finished = threading.Event()
+
+    def post(calls: list, then: Any) -> None:
+        events.append(("post", sched.steps, time.monotonic()))
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None and hand_back_after is not None:
+
+            def hand_back() -> None:
+                events.append(("handed", sched.steps, time.monotonic()))
+                then()
+
+            threading.Timer(hand_back_after, hand_back).start()
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1)
+    sched.start()
+    try:
+        done = lambda r: finished.set()  # noqa: E731
+        ids = tok("the cat")["input_ids"]
+        sched.submit(GenRequest(ids, GenParams(), 4, lambda piece: None, done))
+        assert finished.wait(60)
+    finally:
+        sched.stop()
+    return events
+
+
+def test_after_a_prefill_the_next_step_waits_for_the_loop(model, monkeypatch) -> None:
+    events = handoff_trace(model, monkeypatch, hand_back_after=0.2, bound_s=30.0)
+    # The prefill's post (first token), then the hand-back, and only then the first step.
+    assert [e[:2] for e in events[:2]] == [("post", 0), ("handed", 0)]
+    assert events[2][0] == "post" and events[2][2] >= events[1][2]
+    assert events[-1][1] == 3  # 4 tokens: the prefill's and three steps'
+
+
+def test_a_loop_that_never_hands_back_delays_the_steps_by_the_bound_only(
+    model, monkeypatch
+) -> None:
+    events = handoff_trace(model, monkeypatch, hand_back_after=None, bound_s=0.3)
+    assert events[1][2] - events[0][2] >= 0.3
+    assert events[-1][1] == 3

@@ -8,11 +8,14 @@ one decode step for every row. A request that arrives while others generate ther
 for at most one step and one prefill, never for a generation to end.
 
 Requests that arrive together are prefilled in groups, and each group's first tokens go out
-before the next group runs. A group is as large as fits in PREFILL_GROUP_S at the prefill cost
-per token measured so far (at least one request): where a prefill costs what its tokens cost (a
-CPU on a model of some size), one prefill of seven prompts would make the first six wait for
-the seventh; where the cost is mostly per call (a GPU, or a tiny model), every request that
-arrived joins the one prefill.
+before the next group (or step) runs: the scheduler waits, briefly and boundedly, for the event
+loop to have sent them (`_flush`).
+
+A group is as large as fits in PREFILL_GROUP_S at the prefill cost per token measured so far
+(at least one request): where a prefill costs what its tokens cost (a CPU on a model of some
+size), one prefill of seven prompts would make the first six wait for the seventh; where the
+cost is mostly per call (a GPU, or a tiny model), every request that arrived joins the one
+prefill.
 
 Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
 client goes away (the request's cancel event); the columns that only padding still uses are
@@ -41,8 +44,13 @@ from solar_host.servers.hf_protocol import GenParams, StopScanner
 # How long one prefill group should take at the measured cost per token (module docstring).
 PREFILL_GROUP_S = 0.025
 
-# Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step).
-Post = Callable[[list[tuple[Callable[[Any], None], Any]]], None]
+# Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step); the
+# second argument, when given, is called on the loop once what those callbacks set off has run.
+Post = Callable[[list[tuple[Callable[[Any], None], Any]], Callable[[], None] | None], None]
+
+# After a prefill the scheduler waits for the event loop to send the first tokens before its
+# next step, for at most this long (see _flush).
+HANDOFF_S = 0.010
 
 
 @dataclass
@@ -191,7 +199,7 @@ class DecodeScheduler:
                     new = [r for r in new if not r.cancel.is_set()]
                     for group in self._prefill_groups(new):
                         self._admit(group)
-                        self._flush()  # first tokens go out now, not after the next step
+                        self._flush(handoff=True)  # first tokens go out now
                     if self._rows:
                         self._step()
             except Exception as err:  # e.g. out of memory: every row of the batch fails
@@ -232,13 +240,26 @@ class DecodeScheduler:
         old = self.prefill_token_s
         self.prefill_token_s = per_token if old is None else 0.8 * old + 0.2 * per_token
 
-    def _flush(self) -> None:
-        if self._out:
-            out, self._out = self._out, []
-            try:
-                self._post(out)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                pass
+    def _flush(self, handoff: bool = False) -> None:
+        """Post what the batch produced to the event loop. With `handoff`, wait (at most
+        HANDOFF_S) until the loop has acted on it: after a prefill, so that the first tokens
+        go out before the next step rather than while it runs.
+
+        Waiting costs the loop's own time and saves more: this thread and the event loop share
+        the GIL, which a decode step lets go of and takes back at every torch operation, so a
+        loop woken by the posted tokens can lose the race for it again and again while a step
+        runs (CPython counts each take as a switch, and only asks the holder to drop the GIL
+        after an interval with none)."""
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        handed = threading.Event() if handoff else None
+        try:
+            self._post(out, None if handed is None else handed.set)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            return
+        if handed is not None:
+            handed.wait(HANDOFF_S)
 
     def _reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None

@@ -240,12 +240,20 @@ class HFServer:
 
         loop = asyncio.get_running_loop()
 
-        def deliver(items: list[tuple[Callable[[Any], None], Any]]) -> None:
+        def deliver(
+            items: list[tuple[Callable[[Any], None], Any]], then: Callable[[], None] | None
+        ) -> None:
             for callback, arg in items:
                 callback(arg)
+            if then is not None:
+                # After the stream tasks these callbacks woke (callbacks run in order): their
+                # events have been sent by then.
+                loop.call_soon(then)
 
-        def post(items: list[tuple[Callable[[Any], None], Any]]) -> None:
-            loop.call_soon_threadsafe(deliver, items)  # one wake-up per decode step
+        def post(
+            items: list[tuple[Callable[[Any], None], Any]], then: Callable[[], None] | None
+        ) -> None:
+            loop.call_soon_threadsafe(deliver, items, then)  # one wake-up per decode step
 
         threads = getattr(self.args, "threads", None)
         self.decoder = DecodeScheduler(
