@@ -12,7 +12,11 @@ clients never share an interpreter with a model); every request asks for `--max-
 at temperature 0 and reads the stream to the end. Tokens are the servers' own usage counts
 (stream_options.include_usage); time to first token (TTFT) is from sending the request to the
 first chunk with text. Phases of the two servers alternate at each client count, so both see
-the same machine.
+the same machine, and the whole sequence of phases runs --rounds times, each figure pooling its
+phases of every round: a ratio of two figures (8 clients against 1) then compares phases run
+minutes apart as often as seconds apart, and a slow spell of the machine (other tenants of the
+host) weighs on both sides instead of on whichever phase it fell in. Each round's own ratio is
+printed too, as the spread.
 
 Two kinds of load run, each printed as its own table:
 
@@ -27,7 +31,7 @@ Target (issue 20): with 8 clients, at least 3x the one-at-a-time aggregate token
 TTFT at most 3x the single-client p50 ("a new request joins the running batch at the next step":
 the mixed-lengths table; the equal-lengths one shows the burst case beside it).
 
-    .venv/bin/python bench/hf_chat_concurrency.py [--seconds 8] [--max-tokens 32]
+    .venv/bin/python bench/hf_chat_concurrency.py [--seconds 3] [--rounds 3] [--max-tokens 32]
         [--size tiny|small|medium] [--model DIR] [--clients 1,4,8,16] [--lengths both]
 
 --size tiny is the tests' 2-layer 32-wide GPT-2; small is a 4-layer 256-wide one and medium a
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -218,6 +223,14 @@ def wait_ready(procs: list[tuple[subprocess.Popen, str, Path]]) -> None:
             time.sleep(0.2)
 
 
+def pooled(phases: list[dict]) -> dict:
+    """One figure from the same phase of every round: counts and times added up, TTFTs
+    together."""
+    out = {key: sum(p[key] for p in phases) for key in ("tokens", "requests", "errors", "seconds")}
+    out["ttft"] = [t for p in phases for t in p["ttft"]]
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -230,7 +243,8 @@ def main() -> None:
         client_main(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=8, help="length of each phase")
+    p.add_argument("--seconds", type=float, default=3, help="length of each phase")
+    p.add_argument("--rounds", type=int, default=3, help="times the sequence of phases runs")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--clients", default="1,4,8,16")
     p.add_argument("--size", choices=["tiny", "small", "medium"], default="tiny")
@@ -258,13 +272,18 @@ def main() -> None:
             wait_ready(list(servers.values()))
             for _proc, url, _log in servers.values():  # warm-up
                 run_client(url, 2, 1.0, args.max_tokens, "equal")
-            results: dict[tuple[str, str, int], dict] = {}
-            for mode in modes:
-                for c in counts:
-                    for name, (_proc, url, _log) in servers.items():
-                        results[(mode, name, c)] = run_client(
-                            url, c, args.seconds, args.max_tokens, mode
-                        )
+            rounds: list[dict[tuple[str, str, int], dict]] = []
+            for r in range(args.rounds):
+                # Alternate which server goes first, so neither always follows the other.
+                names = list(servers) if r % 2 == 0 else list(reversed(servers))
+                rounds.append({})
+                for mode in modes:
+                    for c in counts:
+                        for name in names:
+                            rounds[-1][(mode, name, c)] = run_client(
+                                servers[name][1], c, args.seconds, args.max_tokens, mode
+                            )
+            results = {key: pooled([rnd[key] for rnd in rounds]) for key in rounds[0]}
         finally:
             for proc, _url, _log in servers.values():
                 proc.terminate()
@@ -276,8 +295,8 @@ def main() -> None:
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"model: {args.model or args.size}, max_tokens {args.max_tokens}, {args.seconds:g} s "
-        f"per phase, {os.cpu_count()} CPUs, load average {load}"
+        f"model: {args.model or args.size}, max_tokens {args.max_tokens}, {args.rounds} rounds "
+        f"of {args.seconds:g} s per phase, {os.cpu_count()} CPUs, load average {load}"
     )
 
     def tps(r: dict) -> float:
@@ -309,6 +328,12 @@ def main() -> None:
                 f"8 clients, {mode} lengths: {speed:.2f}x the one-at-a-time aggregate tokens/s "
                 f"(target >= 3x); p50 TTFT {ttft:.2f}x the single-client p50 (target <= 3x)"
             )
+            each = [
+                statistics.median(rnd[(mode, "batched", 8)]["ttft"] or [math.nan])
+                / statistics.median(rnd[(mode, "batched", 1)]["ttft"] or [math.nan])
+                for rnd in rounds
+            ]
+            print(f"  p50 TTFT ratio of each round: {', '.join(f'{x:.2f}x' for x in each)}")
 
 
 MODE_TITLES = {
