@@ -126,3 +126,30 @@ def test_encoding_keeps_the_gil(tiny_hf_models: TinyHFModels) -> None:  # noqa: 
     # The probe sees a release: a sleep of a few milliseconds lets the spinner run.
     assert gil_released_during(lambda: time.sleep(0.005))
     assert not gil_released_during(lambda: enc(text, False))
+
+
+def test_a_backend_that_fails_to_set_up_is_not_used(tiny_hf_models: TinyHFModels) -> None:  # noqa: F811
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_hf_models.causal)
+
+    class OldBackend:
+        """A backend without encode_special_tokens (older tokenizers releases)."""
+
+        truncation = None
+        padding = None
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            raise AttributeError(name)
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+            raise AssertionError("not to be called")
+
+    class Tok:
+        backend_tokenizer = OldBackend()
+        all_special_tokens = tok.all_special_tokens
+
+        def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+            return tok(text, add_special_tokens=add_special_tokens)
+
+    enc = PromptEncoder(Tok())
+    assert not enc.direct
+    assert enc("hello world", False) == tok("hello world", add_special_tokens=False)["input_ids"]
