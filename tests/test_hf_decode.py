@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from solar_host.servers.hf_decode import DecodeScheduler, GenRequest, GenResult  # noqa: E402
+from solar_host.servers.prefill_cost import PrefillCost  # noqa: E402
 
 PROMPTS = [
     ("the cat sat", 9),
@@ -35,7 +36,7 @@ def model(tiny_hf_models: TinyHFModels) -> tuple[Any, Any]:  # noqa: F811
     return lm, tok
 
 
-def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[list, dict]:
+def run_all(model: tuple[Any, Any], cost: tuple[float, float], together: bool) -> tuple[list, dict]:
     """Generate PROMPTS greedily: all submitted at once (after a warm-up request, so that the
     scheduler knows rows can join), or one after another. Returns (results, stats)."""
     lm, tok = model
@@ -49,7 +50,7 @@ def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[lis
         if then is not None:
             then()
 
-    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, prefill_group_s=group_s)
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1)
     sched.start()
     try:
 
@@ -69,6 +70,8 @@ def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[lis
 
         sched.submit(request(-1, "warm", 2))
         assert done[-1].wait(60)
+        # The prefill cost the grouping sees, whatever the tiny model's own prefills say.
+        sched.prefill_cost = cost_of(*cost)
         if together:
             with sched._cond:  # all pending at the same turn of the scheduler
                 for i, (prompt, n) in enumerate(PROMPTS):
@@ -85,33 +88,71 @@ def run_all(model: tuple[Any, Any], group_s: float, together: bool) -> tuple[lis
         sched.stop()
 
 
-def test_prefill_groups_fit_the_time_budget_at_the_measured_cost(model) -> None:
+def test_prefill_groups_minimise_the_mean_wait_at_the_fitted_cost(model) -> None:
     lm, tok = model
-    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls, then: None, prefill_group_s=0.010)
+    sched = DecodeScheduler(lm, tok, "cpu", 32, lambda calls, then: None)
     reqs = [GenRequest([0] * n, GenParams(), 1, None, lambda r: None) for n in (4, 5, 2, 12, 1)]
     sched._mergeable = True
+
+    def sizes() -> list[list[int]]:
+        return [[len(r.ids) for r in g] for g in sched._prefill_groups(reqs)]
+
     # Nothing measured yet: one prefill for all.
-    assert len(sched._prefill_groups(reqs)) == 1
-    sched.prefill_token_s = 0.001  # 10 padded tokens per group
-    groups = sched._prefill_groups(reqs)
-    assert [[len(r.ids) for r in g] for g in groups] == [[4, 5], [2], [12], [1]]
-    sched.prefill_token_s = 1e-7  # a cost per call, not per token: one prefill again
-    assert len(sched._prefill_groups(reqs)) == 1
-    sched.prefill_token_s = 0.001
-    sched._mergeable = False  # static batching: the first prefill is the whole batch
-    assert len(sched._prefill_groups(reqs)) == 1
-    # The cost is a moving average of what prefills took.
-    sched.prefill_token_s = None
-    sched._measured_prefill(100, 0.2)
-    assert sched.prefill_token_s == pytest.approx(0.002)
-    sched._measured_prefill(100, 0.7)
-    assert sched.prefill_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.007)
+    assert sizes() == [[4, 5, 2, 12, 1]]
+    # Prefills of one size only: per call and per token cannot be told apart yet.
+    sched.prefill_cost.record(40, 0.05)
+    sched.prefill_cost.record(40, 0.05)
+    assert len(sizes()) == 1
+    # 4.8 tokens a prompt at 1 ms each, 5 ms a call: groups of round(sqrt(5 * 5 / 4.8)) = 2.
+    sched.prefill_cost = cost_of(per_call=0.005, per_token=0.001)
+    assert sizes() == [[4, 5], [2, 12], [1]]
+    # Nearly all per token: one prompt a group.
+    sched.prefill_cost = cost_of(per_call=0.0001, per_token=0.001)
+    assert sizes() == [[4], [5], [2], [12], [1]]
+    # A cost per call, not per token (a GPU, a tiny model): one prefill, however long the
+    # call. A single figure per token (40 ms / 10 tokens) made that one prefill each.
+    sched.prefill_cost = cost_of(per_call=0.040, per_token=0.0)
+    assert len(sizes()) == 1
+    sched.prefill_cost = cost_of(per_call=0.0001, per_token=0.001)
+    sched._mergeable = False  # static batching: the first prefill is the batch
+    assert len(sizes()) == 1
+    # What the scheduler reports.
+    sched.prefill_cost = cost_of(per_call=0.005, per_token=0.001)
+    stats = sched.stats()
+    assert stats["prefill_ms_per_call"] == pytest.approx(5.0)
+    assert stats["prefill_ms_per_token"] == pytest.approx(1.0)
+
+
+def cost_of(per_call: float, per_token: float) -> PrefillCost:
+    cost = PrefillCost()
+    for tokens in (10, 40, 25, 80, 12):
+        cost.record(tokens, per_call + per_token * tokens)
+    return cost
+
+
+def test_prefill_cost_separates_the_cost_per_call_from_the_cost_per_token() -> None:
+    assert PrefillCost().fit() is None
+    per_call, per_token = cost_of(0.006, 0.0022).fit()  # type: ignore[misc]
+    assert per_call == pytest.approx(0.006) and per_token == pytest.approx(0.0022)
+    assert cost_of(0.030, 0.0).fit() == pytest.approx((0.030, 0.0))
+    # Bigger prefills measured faster (noise on a per-call cost): all of it per call.
+    noisy = PrefillCost()
+    noisy.record(10, 0.031)
+    noisy.record(100, 0.029)
+    assert noisy.fit() == pytest.approx((0.030, 0.0), rel=0.01)
+    # Recent prefills weigh more: the machine got twice as slow.
+    cost = cost_of(0.006, 0.0022)
+    for tokens in (10, 40, 25, 80, 12) * 8:
+        cost.record(tokens, 2 * (0.006 + 0.0022 * tokens))
+    per_call, per_token = cost.fit()  # type: ignore[misc]
+    assert per_call == pytest.approx(0.012, rel=0.1) and per_token == pytest.approx(0.0044, rel=0.1)
 
 
 def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
-    alone, _ = run_all(model, 3600.0, together=False)
-    one_prefill, wide = run_all(model, 3600.0, together=True)
-    grouped, narrow = run_all(model, 1e-9, together=True)  # one request a group
+    per_call = (1.0, 0.0)  # (seconds per call, per token): one prefill for all
+    alone, _ = run_all(model, per_call, together=False)
+    one_prefill, wide = run_all(model, per_call, together=True)
+    grouped, narrow = run_all(model, (0.0, 0.001), together=True)  # one request a group
     for ref, a, b in zip(alone, one_prefill, grouped, strict=True):
         assert isinstance(ref, GenResult), ref
         assert (a.text, a.prompt_tokens, a.completion_tokens) == (
@@ -127,7 +168,7 @@ def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
     # The warm-up and the six in one prefill, or the six one by one.
     assert wide["prefills"] == 2
     assert narrow["prefills"] == 1 + len(PROMPTS)
-    assert narrow["prefill_ms_per_token"] > 0
+    assert narrow["prefill_ms_per_token"] is not None  # the fit knows both parts
     assert narrow["max_rows"] == len(PROMPTS)  # the groups still shared the decode steps
     # The first group's first pieces go out first (before the later groups are prefilled).
     assert next(i for i in narrow["order"] if i >= 0) == 0

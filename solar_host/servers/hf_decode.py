@@ -9,13 +9,13 @@ for at most one step and one prefill, never for a generation to end.
 
 Requests that arrive together are prefilled in groups, and each group's first tokens go out
 before the next group (or step) runs: the scheduler waits, briefly and boundedly, for the event
-loop to have sent them (`_flush`).
-
-A group is as large as fits in PREFILL_GROUP_S at the prefill cost per token measured so far
-(at least one request): where a prefill costs what its tokens cost (a CPU on a model of some
-size), one prefill of seven prompts would make the first six wait for the seventh; where the
-cost is mostly per call (a GPU, or a tiny model), every request that arrived joins the one
-prefill.
+loop to have sent them (`_flush`). The groups are sized to minimise the waiting requests' mean
+time to first token at the cost the scheduler has fitted to its prefills (prefill_cost): with a
+cost per call c and per prompt p, n requests in groups of g wait on average about
+(n/g + 1)/2 * (c + g*p), least at g = sqrt(n*c/p). Where a prefill costs what its tokens cost
+(a CPU on a model of some size), one prefill of seven prompts would make the first six wait
+for the seventh; where the cost is mostly per call (a GPU, or a tiny model), every request that
+arrived joins the one prefill.
 
 Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
 client goes away (the request's cancel event); the columns that only padding still uses are
@@ -31,6 +31,7 @@ when the previous one has ended (static batching).
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +41,7 @@ from typing import Any
 import torch
 
 from solar_host.servers.hf_protocol import GenParams, StopScanner
-
-# How long one prefill group should take at the measured cost per token (module docstring).
-PREFILL_GROUP_S = 0.025
+from solar_host.servers.prefill_cost import PrefillCost
 
 # Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step); the
 # second argument, when given, is called on the loop once what those callbacks set off has run.
@@ -94,14 +93,10 @@ class DecodeScheduler:
         max_batch: int,
         post: Post,
         threads: int | None = None,
-        prefill_group_s: float = PREFILL_GROUP_S,
     ):
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
-        self.prefill_group_s = prefill_group_s
-        # Seconds of prefill per (padded) prompt token, a moving average of the prefills so
-        # far; None until the first.
-        self.prefill_token_s: float | None = None
+        self.prefill_cost = PrefillCost()  # fitted to the prefills so far
         self._post = post
         self._threads = threads
         pad = tokenizer.pad_token_id
@@ -168,9 +163,7 @@ class DecodeScheduler:
             "finished": self.finished,
             "cancelled": self.cancelled,
             "joins_running_batch": self._mergeable is not False,
-            "prefill_ms_per_token": (
-                None if self.prefill_token_s is None else round(self.prefill_token_s * 1000, 4)
-            ),
+            **_ms_fit(self.prefill_cost.fit()),
         }
 
     # ---- the scheduler thread ------------------------------------------------------------
@@ -216,29 +209,26 @@ class DecodeScheduler:
         self._flush()
 
     def _prefill_groups(self, reqs: list[GenRequest]) -> list[list[GenRequest]]:
-        """`reqs` in arrival order, cut into prefills that should each take at most
-        `prefill_group_s` (a request whose prompt alone takes longer is a group of its own).
-        Only where rows can join a running batch: otherwise the first prefill is the batch."""
-        if not reqs:
-            return []
-        per_token = self.prefill_token_s
-        if not self._mergeable or not per_token:
+        """`reqs` in arrival order, cut into groups of near-equal size that minimise their mean
+        wait for a first token (module docstring). One group until the cost per prompt is known
+        apart from the cost per call, and where rows cannot join a running batch (the first
+        prefill is the batch)."""
+        fit = self.prefill_cost.fit()
+        if len(reqs) < 2 or not self._mergeable or fit is None:
+            return [reqs] if reqs else []
+        per_call, per_token = fit
+        per_prompt = per_token * sum(len(r.ids) for r in reqs) / len(reqs)
+        if per_prompt <= 0:
             return [reqs]
-        groups: list[list[GenRequest]] = [[]]
-        width = 0  # the group's prompts are left-padded to its longest
-        for r in reqs:
-            wider = max(width, len(r.ids))
-            if groups[-1] and wider * (len(groups[-1]) + 1) * per_token > self.prefill_group_s:
-                groups.append([])
-                wider = len(r.ids)
-            groups[-1].append(r)
-            width = wider
+        size = max(1, round(math.sqrt(len(reqs) * per_call / per_prompt)))
+        count = -(-len(reqs) // size)
+        base, extra = divmod(len(reqs), count)
+        groups, start = [], 0
+        for k in range(count):
+            end = start + base + (1 if k < extra else 0)
+            groups.append(reqs[start:end])
+            start = end
         return groups
-
-    def _measured_prefill(self, tokens: int, seconds: float) -> None:
-        per_token = seconds / max(1, tokens)
-        old = self.prefill_token_s
-        self.prefill_token_s = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def _flush(self, handoff: bool = False) -> None:
         """Post what the batch produced to the event loop. With `handoff`, wait (at most
@@ -292,7 +282,7 @@ class DecodeScheduler:
         logits = out.logits[:, -1, :]
         if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
             torch.cuda.synchronize(self.device)
-        self._measured_prefill(len(reqs) * width, time.perf_counter() - started)
+        self.prefill_cost.record(len(reqs) * width, time.perf_counter() - started)
         self.prefills += 1
         self.admitted += len(reqs)
         if self._mergeable is None:
@@ -414,6 +404,14 @@ class DecodeScheduler:
         self.finished += 1
         res = GenResult(row.scanner.final or "", len(row.req.ids), len(row.new), reason)
         self._out.append((row.req.on_done, res))
+
+
+def _ms_fit(fit: tuple[float, float] | None) -> dict[str, float | None]:
+    per_call, per_token = (None, None) if fit is None else fit
+    return {
+        "prefill_ms_per_call": None if per_call is None else round(per_call * 1000, 3),
+        "prefill_ms_per_token": None if per_token is None else round(per_token * 1000, 4),
+    }
 
 
 def _generator(params: GenParams, device: str) -> torch.Generator | None:
