@@ -57,6 +57,12 @@ def test_a_backend_set_to_truncate_or_pad_is_reset_first(
     text = "the quick brown fox jumps over the lazy dog"
     assert enc(text, False) == tok(text, add_special_tokens=False)["input_ids"]
     assert len(enc(text, False)) > 4
+    # Someone else truncates with the same tokenizer: the backend keeps that setting, and the
+    # encoder then goes through the tokenizer's own call instead of truncating too.
+    assert len(tok(text, truncation=True, max_length=3)["input_ids"]) == 3
+    assert tok.backend_tokenizer.truncation is not None
+    assert enc(text, False) == tok(text, add_special_tokens=False)["input_ids"]
+    assert len(enc(text, False)) > 4
 
 
 def test_a_tokenizer_without_a_rust_backend_keeps_its_own_call() -> None:

@@ -51,9 +51,13 @@ class PromptEncoder:
         return self.backend is not None
 
     def __call__(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self.backend is None:
+        backend = self.backend
+        # Another caller of the tokenizer may have asked the shared backend to truncate or pad
+        # since (a call with truncation=True leaves it so): then the tokenizer's own call, which
+        # sets both for itself.
+        if backend is None or backend.truncation is not None or backend.padding is not None:
             return self._own(text, add_special_tokens)
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def _own(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
