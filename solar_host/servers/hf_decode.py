@@ -43,9 +43,11 @@ import torch
 from solar_host.servers.hf_protocol import GenParams, StopScanner
 from solar_host.servers.prefill_cost import PrefillCost
 
-# Deliver a list of (callback, argument) pairs on the event loop (one wake-up per step); the
-# second argument, when given, is called on the loop once what those callbacks set off has run.
-Post = Callable[[list[tuple[Callable[[Any], None], Any]], Callable[[], None] | None], None]
+# What one step produced: (callback, argument) pairs to call on the event loop.
+Deliveries = list[tuple[Callable[[Any], None], Any]]
+# Deliver them on the event loop (one wake-up per step); the second argument, when given, is
+# called on the loop once what those callbacks set off has run.
+Post = Callable[[Deliveries, Callable[[], None] | None], None]
 
 # After a prefill the scheduler waits for the event loop to send the first tokens before its
 # next step, for at most this long (see _flush).
@@ -116,7 +118,7 @@ class DecodeScheduler:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
         self._mergeable: bool | None = None  # known after the first prefill
-        self._out: list[tuple[Callable[[Any], None], Any]] = []
+        self._out: Deliveries = []
         # Counters (read by stats(); plain ints, written by the scheduler thread).
         self.steps = 0
         self.prefills = 0

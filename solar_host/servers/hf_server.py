@@ -236,13 +236,11 @@ class HFServer:
     def start_decoder(self) -> None:
         if self.model_type != "causal":
             return
-        from solar_host.servers.hf_decode import DecodeScheduler
+        from solar_host.servers.hf_decode import DecodeScheduler, Deliveries
 
         loop = asyncio.get_running_loop()
 
-        def deliver(
-            items: list[tuple[Callable[[Any], None], Any]], then: Callable[[], None] | None
-        ) -> None:
+        def deliver(items: Deliveries, then: Callable[[], None] | None) -> None:
             for callback, arg in items:
                 callback(arg)
             if then is not None:
@@ -250,9 +248,7 @@ class HFServer:
                 # events have been sent by then.
                 loop.call_soon(then)
 
-        def post(
-            items: list[tuple[Callable[[Any], None], Any]], then: Callable[[], None] | None
-        ) -> None:
+        def post(items: Deliveries, then: Callable[[], None] | None) -> None:
             loop.call_soon_threadsafe(deliver, items, then)  # one wake-up per decode step
 
         threads = getattr(self.args, "threads", None)
