@@ -222,3 +222,55 @@ def test_a_loop_that_never_hands_back_delays_the_steps_by_the_bound_only(
     events = handoff_trace(model, monkeypatch, hand_back_after=None, bound_s=0.3)
     assert events[1][2] - events[0][2] >= 0.3
     assert events[-1][1] == 3
+
+
+class CountingTokenizer:
+    """The tokenizer, recording the ids of every decode call the scheduler makes."""
+
+    def __init__(self, tok: Any):
+        self._tok = tok
+        self.decoded: list[list[int]] = []
+
+    def decode(self, ids: list[int], **kw: Any) -> str:
+        self.decoded.append(list(ids))
+        return self._tok.decode(ids, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
+def test_a_long_generation_decodes_windows_not_its_whole_text_each_step(model) -> None:
+    from solar_host.servers.detokenizer import MAX_PENDING
+
+    lm, tok = model
+    counting = CountingTokenizer(tok)
+    pieces: list[str] = []
+    results: list[GenResult | BaseException] = []
+    finished = threading.Event()
+
+    def post(calls: list, then: Any) -> None:
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None:
+            then()
+
+    def done(res: GenResult | BaseException) -> None:
+        results.append(res)
+        finished.set()
+
+    sched = DecodeScheduler(lm, counting, "cpu", 32, post, threads=1)
+    sched.start()
+    try:
+        ids = tok("the cat")["input_ids"]
+        params = GenParams(temperature=1.0, seed=3)  # sampled: any bytes, not one loop
+        sched.submit(GenRequest(ids, params, 400, pieces.append, done))
+        assert finished.wait(120)
+    finally:
+        sched.stop()
+    (res,) = results
+    assert isinstance(res, GenResult), res
+    assert res.completion_tokens == 400
+    whole = [d for d in counting.decoded if len(d) > 2 * MAX_PENDING]
+    assert len(whole) == 1 and len(whole[0]) == 400  # once, at the end, not at every step
+    assert res.text == tok.decode(whole[0], skip_special_tokens=True)
+    assert "".join(pieces) == res.text

@@ -21,7 +21,8 @@ Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) 
 client goes away (the request's cancel event); the columns that only padding still uses are
 cut off, so the cache stays as wide as its longest live row. Sampling is per row, each with
 its own torch.Generator, so a request's temperature, top_p and seed mean the same whatever
-else runs beside it.
+else runs beside it. Each row's text grows through a Detokenizer, which decodes a window of a
+few ids per token, not the row's whole text again at every step.
 
 Models whose cache is not made of plain dynamic layers (sliding windows, linear attention)
 cannot have rows merged into a running batch; for them the scheduler forms a new batch only
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from solar_host.servers.detokenizer import Detokenizer
 from solar_host.servers.hf_protocol import GenParams, StopScanner
 from solar_host.servers.prefill_cost import PrefillCost
 
@@ -83,7 +85,11 @@ class _Row:
     req: GenRequest
     scanner: StopScanner
     gen: torch.Generator | None
-    new: list[int] = field(default_factory=list)
+    text: Detokenizer  # the ids generated so far (text.ids) and their text
+
+    @property
+    def new(self) -> list[int]:
+        return self.text.ids
 
 
 class DecodeScheduler:
@@ -253,6 +259,9 @@ class DecodeScheduler:
         if handed is not None:
             handed.wait(HANDOFF_S)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
     def _reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
 
@@ -293,7 +302,13 @@ class DecodeScheduler:
                 type(layer).__name__ == "DynamicLayer" for layer in layers
             )
         rows = [
-            _Row(r, StopScanner(r.params.stop), _generator(r.params, self.device)) for r in reqs
+            _Row(
+                r,
+                StopScanner(r.params.stop),
+                _generator(r.params, self.device),
+                Detokenizer(self._decode),
+            )
+            for r in reqs
         ]
         if self._rows:
             self._merge(cache, m)
@@ -343,9 +358,7 @@ class DecodeScheduler:
         for i, row in enumerate(rows):
             p = row.req.params
             t = greedy[i] if p.temperature <= 0 else _sample(logits[i], p, row.gen)
-            row.new.append(t)
-            text = self.tok.decode(row.new, skip_special_tokens=True)
-            piece = row.scanner.update(text)
+            piece = row.scanner.update(row.text.add(t))
             if piece and row.req.on_piece is not None:
                 self._out.append((row.req.on_piece, piece))
             if row.scanner.stopped or t in self.eos_ids:
@@ -399,8 +412,7 @@ class DecodeScheduler:
             self._mask = self._mask[:, lead:]
 
     def _finish(self, row: _Row, reason: str) -> None:
-        text = self.tok.decode(row.new, skip_special_tokens=True)
-        rest = row.scanner.finish(text)
+        rest = row.scanner.finish(row.text.finish())
         if rest and row.req.on_piece is not None:
             self._out.append((row.req.on_piece, rest))
         self.finished += 1

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from solar_host.servers.detokenizer import Detokenizer
 from solar_host.servers.hf_decode import GenResult
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
 from solar_host.servers.prompt_encoder import PromptEncoder
@@ -329,14 +330,21 @@ class _Watch:
     """A StoppingCriteria that decodes each new token, streams text and applies stop strings."""
 
     def __init__(self, tok: Any, prompt_len: int, scanner: StopScanner, emit, cancel):
-        self.tok, self.prompt_len, self.scanner = tok, prompt_len, scanner
+        self.prompt_len, self.scanner = prompt_len, scanner
         self.emit, self.cancel = emit, cancel
+        self.text = Detokenizer(lambda ids: tok.decode(ids, skip_special_tokens=True))
 
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
-        new = input_ids[0, self.prompt_len :].tolist()
-        piece = self.scanner.update(self.tok.decode(new, skip_special_tokens=True))
+    def see(self, input_ids: torch.Tensor) -> None:
+        """Take in the ids generated since the last call; stream the text that is now safe."""
+        text = self.text.text
+        for t in input_ids[0, self.prompt_len + len(self.text.ids) :].tolist():
+            text = self.text.add(t)
+        piece = self.scanner.update(text)
         if piece and self.emit is not None:
             self.emit(piece)
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kw: Any) -> torch.Tensor:
+        self.see(input_ids)
         stop = self.scanner.stopped or self.cancel.is_set()
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -403,18 +411,18 @@ class CausalEngine:
         else:
             kw.update(temperature=None, top_p=None, top_k=None)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        watch = _Watch(self.tok, n_prompt, scanner, emit, cancel)
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs,
                 max_new_tokens=max_new,
                 pad_token_id=pad,
-                stopping_criteria=StoppingCriteriaList(
-                    [_Watch(self.tok, n_prompt, scanner, emit, cancel)]
-                ),
+                stopping_criteria=StoppingCriteriaList([watch]),
                 **kw,
             )
         new = out[0, n_prompt:].tolist()
-        rest = scanner.finish(self.tok.decode(new, skip_special_tokens=True))
+        watch.see(out)  # generate can end without a last call (max_new_tokens, EOS)
+        rest = scanner.finish(watch.text.finish())
         if rest and emit is not None:
             emit(rest)
         eos = self.model.generation_config.eos_token_id

@@ -1,0 +1,62 @@
+"""The text of a generation, grown a token at a time at a cost that does not grow with it.
+
+Decoding every generated id again at each step (`tokenizer.decode(all_new_ids)`) costs a step
+time in proportion to the length generated so far: a 1,000-token answer decodes half a million
+ids in all, and 32 such rows cost the decode thread milliseconds of every step, holding the
+GIL the event loop needs (a tokenizer's `decode` keeps it). `Detokenizer` decodes a short
+window instead, as vLLM and text-generation-inference do: the ids from the last piece of text
+it settled (`_prefix`) up to the newest. The window's text minus what its settled part decodes
+to is the new text. Both are decoded from the same first token, so whatever a tokenizer does
+to the start of a sequence (SentencePiece drops the leading space of its first word) happens
+to both and cancels out.
+
+New text is settled only when it does not end in U+FFFD: a byte-level token that holds the
+first bytes of a character decodes to U+FFFD until the rest arrive. Past `MAX_PENDING` waiting
+ids it is settled anyway (no UTF-8 character has more than 4 bytes: those bytes will not make
+one).
+
+At the end, `finish` decodes all the ids once. That exact text is the result when it begins
+with the text settled so far, which is what was streamed; a tokenizer whose decoding of a
+window differs from the same ids in the whole sequence (a clean-up rule reaching across the
+window's start) keeps the streamed text, so that a stream and its final text never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Ids decoded into nothing but an unfinished character, at most: past this many the text is
+# settled even if it ends in U+FFFD.
+MAX_PENDING = 6
+
+
+class Detokenizer:
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self.text = ""  # settled: it only ever grows
+        self._prefix = 0  # ids[_prefix:_read] decode to the end of `text`
+        self._read = 0
+        self._prefix_text = ""  # what ids[_prefix:_read] decode to
+
+    def add(self, token: int) -> str:
+        """Append one generated id; return the text settled so far (not only the new part)."""
+        self.ids.append(token)
+        window = self._decode(self.ids[self._prefix :])
+        if len(window) > len(self._prefix_text) and (
+            not window.endswith("\ufffd") or len(self.ids) - self._read >= MAX_PENDING
+        ):
+            self.text += window[len(self._prefix_text) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+        return self.text
+
+    def finish(self) -> str:
+        """The whole text, unsettled end included (see the module docstring)."""
+        exact = self._decode(self.ids)
+        if exact.startswith(self.text):
+            self.text = exact
+        else:
+            tail = self._decode(self.ids[self._prefix :])[len(self._prefix_text) :]
+            self.text += tail
+        return self.text
