@@ -113,6 +113,12 @@ def test_prefill_groups_minimise_the_mean_wait_at_the_fitted_cost(model) -> None
     # call. A single figure per token (40 ms / 10 tokens) made that one prefill each.
     sched.prefill_cost = cost_of(per_call=0.040, per_token=0.0)
     assert len(sizes()) == 1
+    # The hand-over to the event loop after each prefill is a cost per group too: at 5 ms a
+    # call plus 15 ms a hand-over, groups of round(sqrt(5 * 20 / 4.8)) = 5.
+    sched.prefill_cost = cost_of(per_call=0.005, per_token=0.001)
+    sched.handoff_s = 0.015
+    assert sizes() == [[4, 5, 2, 12, 1]]
+    sched.handoff_s = None
     sched.prefill_cost = cost_of(per_call=0.0001, per_token=0.001)
     sched._mergeable = False  # static batching: the first prefill is the batch
     assert len(sizes()) == 1
@@ -174,9 +180,12 @@ def test_grouped_prefills_give_each_request_what_it_gets_alone(model) -> None:
     assert next(i for i in narrow["order"] if i >= 0) == 0
 
 
-def handoff_trace(model, monkeypatch, hand_back_after: float | None, bound_s: float) -> list:
+def handoff_trace(
+    model, monkeypatch, hand_back_after: float | None, bound_s: float
+) -> tuple[list, dict]:
     """One request of 4 tokens; the event loop's stand-in hands back after a prefill's post
-    only after `hand_back_after` seconds (None: never). Returns (what, steps, time) events."""
+    only after `hand_back_after` seconds (None: never). Returns (what, steps, time) events and
+    the scheduler's stats."""
     import solar_host.servers.hf_decode as hf_decode
 
     monkeypatch.setattr(hf_decode, "HANDOFF_S", bound_s)
@@ -205,23 +214,26 @@ def handoff_trace(model, monkeypatch, hand_back_after: float | None, bound_s: fl
         assert finished.wait(60)
     finally:
         sched.stop()
-    return events
+    return events, sched.stats()
 
 
 def test_after_a_prefill_the_next_step_waits_for_the_loop(model, monkeypatch) -> None:
-    events = handoff_trace(model, monkeypatch, hand_back_after=0.2, bound_s=30.0)
+    events, stats = handoff_trace(model, monkeypatch, hand_back_after=0.2, bound_s=30.0)
     # The prefill's post (first token), then the hand-back, and only then the first step.
     assert [e[:2] for e in events[:2]] == [("post", 0), ("handed", 0)]
     assert events[2][0] == "post" and events[2][2] >= events[1][2]
     assert events[-1][1] == 3  # 4 tokens: the prefill's and three steps'
+    # The wait is measured: the grouping counts it as a cost per group.
+    assert 200 <= stats["handoff_ms"] < 30_000
 
 
 def test_a_loop_that_never_hands_back_delays_the_steps_by_the_bound_only(
     model, monkeypatch
 ) -> None:
-    events = handoff_trace(model, monkeypatch, hand_back_after=None, bound_s=0.3)
+    events, stats = handoff_trace(model, monkeypatch, hand_back_after=None, bound_s=0.3)
     assert events[1][2] - events[0][2] >= 0.3
     assert events[-1][1] == 3
+    assert stats["handoff_ms"] >= 300
 
 
 class CountingTokenizer:

@@ -11,7 +11,8 @@ Requests that arrive together are prefilled in groups, and each group's first to
 before the next group (or step) runs: the scheduler waits, briefly and boundedly, for the event
 loop to have sent them (`_flush`). The groups are sized to minimise the waiting requests' mean
 time to first token at the cost the scheduler has fitted to its prefills (prefill_cost): with a
-cost per call c and per prompt p, n requests in groups of g wait on average about
+cost per group c (the prefill's cost per call, plus the hand-over to the event loop that
+follows it) and per prompt p, n requests in groups of g wait on average about
 (n/g + 1)/2 * (c + g*p), least at g = sqrt(n*c/p). Where a prefill costs what its tokens cost
 (a CPU on a model of some size), one prefill of seven prompts would make the first six wait
 for the seventh; where the cost is mostly per call (a GPU, or a tiny model), every request that
@@ -54,6 +55,8 @@ Post = Callable[[Deliveries, Callable[[], None] | None], None]
 # After a prefill the scheduler waits for the event loop to send the first tokens before its
 # next step, for at most this long (see _flush).
 HANDOFF_S = 0.010
+# Weight of the newest hand-over in their running average.
+HANDOFF_WEIGHT = 0.2
 
 
 @dataclass
@@ -105,6 +108,7 @@ class DecodeScheduler:
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
         self.prefill_cost = PrefillCost()  # fitted to the prefills so far
+        self.handoff_s: float | None = None  # recent hand-overs after a prefill (average)
         self._post = post
         self._threads = threads
         pad = tokenizer.pad_token_id
@@ -172,6 +176,7 @@ class DecodeScheduler:
             "cancelled": self.cancelled,
             "joins_running_batch": self._mergeable is not False,
             **_ms_fit(self.prefill_cost.fit()),
+            "handoff_ms": None if self.handoff_s is None else round(self.handoff_s * 1000, 3),
         }
 
     # ---- the scheduler thread ------------------------------------------------------------
@@ -225,6 +230,9 @@ class DecodeScheduler:
         if len(reqs) < 2 or not self._mergeable or fit is None:
             return [reqs] if reqs else []
         per_call, per_token = fit
+        # Each group's prefill is followed by a hand-over before the next group's starts: to
+        # the requests still waiting that is a cost per group, as the call itself is.
+        per_call += self.handoff_s or 0.0
         per_prompt = per_token * sum(len(r.ids) for r in reqs) / len(reqs)
         if per_prompt <= 0:
             return [reqs]
@@ -257,7 +265,11 @@ class DecodeScheduler:
         except RuntimeError:  # the event loop is closed: nobody is waiting any more
             return
         if handed is not None:
+            started = time.perf_counter()
             handed.wait(HANDOFF_S)
+            took = time.perf_counter() - started
+            last = self.handoff_s
+            self.handoff_s = took if last is None else last + HANDOFF_WEIGHT * (took - last)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
