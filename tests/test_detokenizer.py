@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from solar_host.servers.detokenizer import MAX_PENDING, Detokenizer
+from solar_host.servers.detokenizer import MAX_PENDING, MAX_SILENT, Detokenizer
 from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ class Counting:
 
 def grow(tok: Any, ids: list[int]) -> tuple[Detokenizer, list[str], Counting]:
     decode = Counting(tok)
-    d = Detokenizer(decode)
+    d = Detokenizer(decode, frozenset(tok.all_special_ids))  # as the decode scheduler does
     return d, [d.add(t) for t in ids], decode
 
 
@@ -194,3 +194,26 @@ def test_generates_watch_streams_every_id_once(tiny_hf_models: TinyHFModels) -> 
     exact = tok.decode(new, skip_special_tokens=True)
     assert "".join(pieces) == exact
     assert watch.text.finish() == exact
+
+
+def test_ids_that_decode_to_nothing_do_not_widen_the_window(
+    tiny_hf_models: TinyHFModels,  # noqa: F811
+) -> None:
+    """A model can emit a skipped special token again and again (a pad or end token it was
+    never stopped on), or ids that decode to nothing without being special: the window stays
+    short either way, and the text is the exact decoding."""
+    for name, tok in tokenizers_of(tiny_hf_models).items():
+        special = tok.all_special_ids[0]
+        ids = tok("hello", add_special_tokens=False)["input_ids"] + [special] * 300
+        ids += tok(" world again", add_special_tokens=False)["input_ids"]
+        d, _, decode = grow(tok, ids)
+        assert max(decode.sizes) <= 2 * MAX_PENDING, (name, max(decode.sizes))
+        assert d.finish() == tok.decode(ids, skip_special_tokens=True), name
+        # Not told which ids are skipped: they wait in the window, MAX_SILENT at most, and
+        # make the next window at most as long again.
+        plain = Counting(tok)
+        d = Detokenizer(plain)
+        for t in ids:
+            d.add(t)
+        assert max(plain.sizes) <= 2 * MAX_SILENT + MAX_PENDING, (name, max(plain.sizes))
+        assert d.finish().startswith("hello"), name

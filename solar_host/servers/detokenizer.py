@@ -15,6 +15,11 @@ first bytes of a character decodes to U+FFFD until the rest arrive. Past `MAX_PE
 ids it is settled anyway (no UTF-8 character has more than 4 bytes: those bytes will not make
 one).
 
+Ids that decoding skips (special tokens, with skip_special_tokens) never enter the window: a
+model that emits an end or pad token again and again would otherwise widen it, and the cost of
+every later token with it. Any other id that adds no text waits in the window with the next
+one, for context (a decoder may put a space between two tokens), up to `MAX_SILENT` of them.
+
 At the end, `finish` decodes all the ids once. That exact text is the result when it begins
 with the text settled so far, which is what was streamed; a tokenizer whose decoding of a
 window differs from the same ids in the whole sequence (a clean-up rule reaching across the
@@ -23,32 +28,44 @@ window's start) keeps the streamed text, so that a stream and its final text nev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 # Ids decoded into nothing but an unfinished character, at most: past this many the text is
 # settled even if it ends in U+FFFD.
 MAX_PENDING = 6
+# Ids in a row that add no text and are not skipped, at most: past this many they are settled
+# as they are (the next token's window then starts without the text before them).
+MAX_SILENT = 32
 
 
 class Detokenizer:
-    def __init__(self, decode: Callable[[list[int]], str]):
+    def __init__(self, decode: Callable[[list[int]], str], skipped: Collection[int] = ()):
         self._decode = decode
-        self.ids: list[int] = []
+        self._skipped = skipped  # ids that `decode` leaves out
+        self.ids: list[int] = []  # every id added
+        self._kept: list[int] = []  # those not skipped: the windows are slices of these
         self.text = ""  # settled: it only ever grows
-        self._prefix = 0  # ids[_prefix:_read] decode to the end of `text`
+        self._prefix = 0  # _kept[_prefix:_read] decode to the end of `text`
         self._read = 0
-        self._prefix_text = ""  # what ids[_prefix:_read] decode to
+        self._prefix_text = ""  # what _kept[_prefix:_read] decode to
 
     def add(self, token: int) -> str:
         """Append one generated id; return the text settled so far (not only the new part)."""
         self.ids.append(token)
-        window = self._decode(self.ids[self._prefix :])
-        if len(window) > len(self._prefix_text) and (
-            not window.endswith("\ufffd") or len(self.ids) - self._read >= MAX_PENDING
-        ):
+        if token in self._skipped:
+            return self.text
+        kept = self._kept
+        kept.append(token)
+        window = self._decode(kept[self._prefix :])
+        waiting = len(kept) - self._read
+        if len(window) > len(self._prefix_text):
+            settle = not window.endswith("\ufffd") or waiting >= MAX_PENDING
+        else:
+            settle = waiting >= MAX_SILENT
+        if settle:
             self.text += window[len(self._prefix_text) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            self._prefix_text = self._decode(self.ids[self._prefix : self._read])
+            self._prefix, self._read = self._read, len(kept)
+            self._prefix_text = self._decode(kept[self._prefix : self._read])
         return self.text
 
     def finish(self) -> str:
@@ -57,6 +74,6 @@ class Detokenizer:
         if exact.startswith(self.text):
             self.text = exact
         else:
-            tail = self._decode(self.ids[self._prefix :])[len(self._prefix_text) :]
+            tail = self._decode(self._kept[self._prefix :])[len(self._prefix_text) :]
             self.text += tail
         return self.text

@@ -115,6 +115,8 @@ class DecodeScheduler:
         self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # The ids decode(skip_special_tokens=True) leaves out: kept out of the text windows.
+        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         accepted = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values to cache (the old name warns, then goes).
         self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
@@ -318,7 +320,7 @@ class DecodeScheduler:
                 r,
                 StopScanner(r.params.stop),
                 _generator(r.params, self.device),
-                Detokenizer(self._decode),
+                Detokenizer(self._decode, self._skipped),
             )
             for r in reqs
         ]

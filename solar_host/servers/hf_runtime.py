@@ -332,7 +332,10 @@ class _Watch:
     def __init__(self, tok: Any, prompt_len: int, scanner: StopScanner, emit, cancel):
         self.prompt_len, self.scanner = prompt_len, scanner
         self.emit, self.cancel = emit, cancel
-        self.text = Detokenizer(lambda ids: tok.decode(ids, skip_special_tokens=True))
+        self.text = Detokenizer(
+            lambda ids: tok.decode(ids, skip_special_tokens=True),
+            frozenset(getattr(tok, "all_special_ids", None) or ()),
+        )
 
     def see(self, input_ids: torch.Tensor) -> None:
         """Take in the ids generated since the last call; stream the text that is now safe."""
