@@ -217,3 +217,12 @@ def test_ids_that_decode_to_nothing_do_not_widen_the_window(
             d.add(t)
         assert max(plain.sizes) <= 2 * MAX_SILENT + MAX_PENDING, (name, max(plain.sizes))
         assert d.finish().startswith("hello"), name
+
+
+def test_finishing_twice_gives_the_same_text(tiny_hf_models: TinyHFModels) -> None:  # noqa: F811
+    tok = sentencepiece_like()
+    bad = tok.convert_tokens_to_ids(["<0x13>", "<0x56>", "<0x9B>"])  # 'V' then a stray byte
+    for ids in (tok("ab 東", add_special_tokens=False)["input_ids"][:-1], bad):
+        d, _, _ = grow(tok, ids)
+        first = d.finish()
+        assert d.finish() == first

@@ -71,9 +71,9 @@ class Detokenizer:
     def finish(self) -> str:
         """The whole text, unsettled end included (see the module docstring)."""
         exact = self._decode(self.ids)
-        if exact.startswith(self.text):
-            self.text = exact
-        else:
-            tail = self._decode(self._kept[self._prefix :])[len(self._prefix_text) :]
-            self.text += tail
+        if not exact.startswith(self.text):
+            exact = self.text + self._decode(self._kept[self._prefix :])[len(self._prefix_text) :]
+        self.text = exact
+        self._prefix = self._read = len(self._kept)  # all settled: finishing again adds nothing
+        self._prefix_text = ""
         return self.text
