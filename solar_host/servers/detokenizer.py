@@ -29,6 +29,7 @@ window's start) keeps the streamed text, so that a stream and its final text nev
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import Any
 
 # Ids decoded into nothing but an unfinished character, at most: past this many the text is
 # settled even if it ends in U+FFFD.
@@ -48,6 +49,14 @@ class Detokenizer:
         self._prefix = 0  # _kept[_prefix:_read] decode to the end of `text`
         self._read = 0
         self._prefix_text = ""  # what _kept[_prefix:_read] decode to
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Detokenizer:
+        """For a transformers tokenizer, as a response shows text: special tokens skipped."""
+        return cls(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            frozenset(getattr(tokenizer, "all_special_ids", None) or ()),
+        )
 
     def add(self, token: int) -> str:
         """Append one generated id; return the text settled so far (not only the new part)."""

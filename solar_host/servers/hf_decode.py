@@ -115,8 +115,6 @@ class DecodeScheduler:
         self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         eos = getattr(model.generation_config, "eos_token_id", None)
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        # The ids decode(skip_special_tokens=True) leaves out: kept out of the text windows.
-        self._skipped = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         accepted = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values to cache (the old name warns, then goes).
         self._cache_kw = "cache" if "cache" in accepted else "past_key_values"
@@ -273,9 +271,6 @@ class DecodeScheduler:
             last = self.handoff_s
             self.handoff_s = took if last is None else last + HANDOFF_WEIGHT * (took - last)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
     def _reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
 
@@ -320,7 +315,7 @@ class DecodeScheduler:
                 r,
                 StopScanner(r.params.stop),
                 _generator(r.params, self.device),
-                Detokenizer(self._decode, self._skipped),
+                Detokenizer.of(self.tok),
             )
             for r in reqs
         ]

@@ -332,10 +332,7 @@ class _Watch:
     def __init__(self, tok: Any, prompt_len: int, scanner: StopScanner, emit, cancel):
         self.prompt_len, self.scanner = prompt_len, scanner
         self.emit, self.cancel = emit, cancel
-        self.text = Detokenizer(
-            lambda ids: tok.decode(ids, skip_special_tokens=True),
-            frozenset(getattr(tok, "all_special_ids", None) or ()),
-        )
+        self.text = Detokenizer.of(tok)
 
     def see(self, input_ids: torch.Tensor) -> None:
         """Take in the ids generated since the last call; stream the text that is now safe."""
@@ -423,8 +420,8 @@ class CausalEngine:
                 stopping_criteria=StoppingCriteriaList([watch]),
                 **kw,
             )
-        new = out[0, n_prompt:].tolist()
         watch.see(out)  # generate can end without a last call (max_new_tokens, EOS)
+        new = watch.text.ids
         rest = scanner.finish(watch.text.finish())
         if rest and emit is not None:
             emit(rest)
