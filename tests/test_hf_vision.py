@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import struct
 import sys
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -189,9 +192,42 @@ def test_fetching_never_reaches_private_addresses(vlm) -> None:
     assert post(s, "/v1/chat/completions", chat(data_uri(png()), max_tokens=2)).status_code == 200
 
 
+@contextlib.asynccontextmanager
+async def image_server(handler: Any) -> AsyncIterator[int]:
+    """A real local HTTP server for image fetches (the internet is not reachable here), reached
+    as http://images.test:PORT: the name resolves to loopback, and the loaders built with
+    `loopback_loader` accept loopback for these tests only. Yields the port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def resolve(host: str, port: int, **kw: Any) -> Any:
+        return await real("127.0.0.1" if host == "images.test" else host, port, **kw)
+
+    loop.getaddrinfo = resolve  # type: ignore[method-assign]
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        del loop.getaddrinfo
+        await runner.cleanup()
+
+
+def loopback_loader(**policy: Any) -> ImageLoader:
+    return ImageLoader(
+        ImagePolicy(
+            allow_urls=True, max_bytes=MAX_BYTES, address_ok=lambda a: a.is_loopback, **policy
+        )
+    )
+
+
 async def test_fetch_follows_checked_redirects_and_caps_the_size() -> None:
-    """The fetch itself, against a real local HTTP server (the internet is not reachable here:
-    the address check is widened to loopback for this test only)."""
     from aiohttp import web
 
     image = png()
@@ -208,37 +244,16 @@ async def test_fetch_follows_checked_redirects_and_caps_the_size() -> None:
             return web.Response(body=image, content_type="image/png")
         return web.Response(status=404)
 
-    app = web.Application()
-    app.router.add_route("GET", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        loopback_ok = ImagePolicy(
-            allow_urls=True, max_bytes=MAX_BYTES, address_ok=lambda a: a.is_loopback
-        )
-        loader = ImageLoader(loopback_ok)
-        # A name that resolves to loopback only through the check (as a public name would).
-        loop = asyncio.get_running_loop()
-        real = loop.getaddrinfo
-
-        async def resolve(host, port_, **kw):
-            return await real("127.0.0.1" if host == "images.test" else host, port_, **kw)
-
-        loop.getaddrinfo = resolve  # type: ignore[method-assign]
-        try:
-            got = await loader.load([f"http://images.test:{port}/redirect"])
-            assert got == [image] and hits == ["/redirect", "/cat.png"]
-            with pytest.raises(APIError) as ei:
-                await loader.load([f"http://images.test:{port}/big"])
-            assert ei.value.status == 413
-            with pytest.raises(APIError) as ei:
-                await loader.load([f"http://images.test:{port}/missing"])
-            assert ei.value.status == 400 and "404" in ei.value.message
-        finally:
-            del loop.getaddrinfo
+    async with image_server(handler) as port:
+        loader = loopback_loader()
+        got = await loader.load([f"http://images.test:{port}/redirect"])
+        assert got == [image] and hits == ["/redirect", "/cat.png"]
+        with pytest.raises(APIError) as ei:
+            await loader.load([f"http://images.test:{port}/big"])
+        assert ei.value.status == 413
+        with pytest.raises(APIError) as ei:
+            await loader.load([f"http://images.test:{port}/missing"])
+        assert ei.value.status == 400 and "404" in ei.value.message
         # The default policy refuses the same server before connecting.
         before = len(hits)
         with pytest.raises(APIError) as ei:
@@ -246,8 +261,91 @@ async def test_fetch_follows_checked_redirects_and_caps_the_size() -> None:
                 [f"http://127.0.0.1:{port}/cat.png"]
             )
         assert ei.value.code == "image_url_refused" and len(hits) == before
-    finally:
-        await runner.cleanup()
+
+
+async def test_a_slow_image_server_cannot_hold_the_request() -> None:
+    """httpx's timeout bounds each read; a server that sends a byte now and then, well within
+    it, would hold the request for as long as it liked. The request's fetches end at one
+    deadline, with a 400 naming the field, and the server sees the connection closed."""
+    from aiohttp import web
+
+    closed = asyncio.Event()
+
+    async def drip(request: web.Request) -> web.StreamResponse:
+        r = web.StreamResponse(headers={"Content-Type": "image/png"})
+        await r.prepare(request)
+        try:
+            for _ in range(600):  # 60 s at most, far past the deadline
+                await r.write(b"x")
+                await asyncio.sleep(0.1)
+        except (ConnectionError, asyncio.CancelledError):
+            closed.set()
+            raise
+        return r
+
+    async with image_server(drip) as port:
+        loader = loopback_loader(fetch_timeout_s=0.5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(APIError) as ei:
+            await loader.load([f"http://images.test:{port}/slow.png"])
+        took = loop.time() - started
+        assert ei.value.status == 400 and ei.value.code == "image_url_timeout"
+        assert ei.value.param == "messages" and "0.5 s" in ei.value.message
+        assert took < 10, took  # ended by the deadline, not by the 60 s drip
+        await asyncio.wait_for(closed.wait(), 10)
+
+
+async def test_images_of_a_request_are_fetched_side_by_side_in_order() -> None:
+    """Every image URL of a request is fetched at once (each server waits until all requests
+    are in: fetched one after another they never would be), and the images keep their places
+    among data: URIs; one failing fetch fails the request and ends the others."""
+    from aiohttp import web
+
+    images = {f"/{n}.png": png(color=(n * 40, 0, 0)) for n in range(3)}
+    arrived: set[str] = set()
+    all_in = asyncio.Event()
+    stopped: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        arrived.add(request.path)
+        if len(arrived) == 3:
+            all_in.set()
+        await asyncio.wait_for(all_in.wait(), 10)
+        if request.path == "/bad.png":
+            return web.Response(status=500)
+        if request.path == "/hang.png":  # a body that never ends, until the client leaves
+            r = web.StreamResponse(headers={"Content-Type": "image/png"})
+            await r.prepare(request)
+            try:
+                for _ in range(300):
+                    await r.write(b"x")
+                    await asyncio.sleep(0.1)
+            except (ConnectionError, asyncio.CancelledError):
+                stopped.append(request.path)
+                raise
+            return r
+        return web.Response(body=images[request.path], content_type="image/png")
+
+    inline = png(color=(0, 0, 250))
+    async with image_server(handler) as port:
+        url = f"http://images.test:{port}"
+        got = await loopback_loader().load(
+            [f"{url}/0.png", data_uri(inline), f"{url}/1.png", f"{url}/2.png"]
+        )
+        assert got == [images["/0.png"], inline, images["/1.png"], images["/2.png"]]
+
+        arrived.clear()
+        all_in.clear()
+        with pytest.raises(APIError) as ei:
+            await loopback_loader().load([f"{url}/hang.png", f"{url}/bad.png", f"{url}/0.png"])
+        assert ei.value.status == 400 and "500" in ei.value.message
+        # The hanging fetch was ended with the request, not left to run.
+        for _ in range(100):
+            if "/hang.png" in stopped:
+                break
+            await asyncio.sleep(0.05)
+        assert "/hang.png" in stopped
 
 
 def test_vision_parsing_counts_images_and_decodes_data_uris() -> None:

@@ -55,8 +55,8 @@ class HuggingFaceVisionConfig(HuggingFaceConfigBase):
     use_flash_attention: bool = True
     allow_image_urls: bool = Field(
         default=False,
-        description="Fetch http(s) image URLs (public addresses only, never private ranges); "
-        "off: images only as data: URIs.",
+        description="Fetch http(s) image URLs (public addresses only, never private ranges; a "
+        "request's fetches, side by side, within 10 s); off: images only as data: URIs.",
     )
     max_images: int = Field(default=8, ge=1, le=256, description="Images per request.")
     max_image_bytes: int = Field(

@@ -7,7 +7,9 @@ public (not private, loopback, link-local, multicast, reserved or unspecified, I
 forms included), and the connection goes to the address that was checked, not to a second
 lookup of the name (which a rebinding DNS server could answer differently). Redirects are
 followed by hand, each target checked the same way. Bodies are read up to the size limit and
-no further.
+no further, and a request's fetches (run side by side) end within one deadline however slowly a
+server answers: httpx's own timeout bounds each read, not the body, so a server that sends a
+byte every few seconds would otherwise hold the request for as long as it liked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from urllib.parse import urljoin, urlsplit
 from solar_host.servers.hf_protocol import APIError, bad, decode_data_uri, image_too_large
 
 MAX_REDIRECTS = 3
+# A request's image fetches, all of them (lookups, redirects, bodies), end within this.
 FETCH_TIMEOUT_S = 10.0
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -47,6 +50,7 @@ class ImagePolicy:
     allow_urls: bool = False
     max_images: int = 8
     max_bytes: int = 10 * 1024 * 1024
+    fetch_timeout_s: float = FETCH_TIMEOUT_S
     # Which resolved addresses may be fetched; tests on a loopback-only machine widen it.
     address_ok: Callable[[Address], bool] = address_is_public
 
@@ -63,14 +67,35 @@ class ImageLoader:
                 "messages",
                 code="too_many_images",
             )
-        out = []
+        out: list[bytes | None] = []
+        fetched: list[tuple[int, str]] = []
         for url in urls:
-            scheme = url[:8].lower()
-            if scheme.startswith(("http://", "https://")) and self.policy.allow_urls:
-                out.append(await self.fetch(url))
+            if url[:8].lower().startswith(("http://", "https://")) and self.policy.allow_urls:
+                fetched.append((len(out), url))
+                out.append(None)
             else:
                 out.append(decode_data_uri(url, self.policy.max_bytes))
-        return out
+        if fetched:
+            limit = self.policy.fetch_timeout_s
+            tasks = [asyncio.create_task(self.fetch(url)) for _, url in fetched]
+            try:
+                async with asyncio.timeout(limit) as deadline:
+                    got = await asyncio.gather(*tasks)
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise APIError(
+                    400,
+                    f"Image URLs were not fetched within {limit:g} s",
+                    code="image_url_timeout",
+                    param="messages",
+                ) from None
+            finally:
+                for task in tasks:  # the first failure ends the others
+                    task.cancel()
+            for (i, _), data in zip(fetched, got, strict=True):
+                out[i] = data
+        return [b for b in out if b is not None]
 
     async def _checked_address(self, host: str, port: int) -> str:
         try:
@@ -96,7 +121,7 @@ class ImageLoader:
 
         limit = self.policy.max_bytes
         async with httpx.AsyncClient(
-            follow_redirects=False, timeout=FETCH_TIMEOUT_S, trust_env=False
+            follow_redirects=False, timeout=self.policy.fetch_timeout_s, trust_env=False
         ) as client:
             for _ in range(MAX_REDIRECTS + 1):
                 parts = urlsplit(url)
