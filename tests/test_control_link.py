@@ -1126,8 +1126,12 @@ async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_pat
         queue = link._session.sio.eio.queue  # type: ignore[union-attr]
         now = datetime.now(UTC).isoformat()
         peak = 0
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 6:  # 6 s of changes and log lines, 10 lists/s wanted
+        # Changes and log lines (10 lists/s wanted) until reports have waited a few times. How
+        # soon the socket's buffers (megabytes on loopback) fill depends on how fast this
+        # machine encodes and sends lists, so the wait is for that, bounded, not a fixed time.
+        deadline = time.monotonic() + 90
+        while link.metrics()["reports_deferred"] < 5:
+            assert time.monotonic() < deadline, link.metrics()
             inst = next(iter(host.instances.items.values()))
             await host.instances.start(inst.id)
             await host.instances.stop(inst.id)
@@ -1136,7 +1140,6 @@ async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_pat
             peak = max(peak, queue.qsize())
             await asyncio.sleep(0.05)
         metrics = link.metrics()
-        assert metrics["reports_deferred"] >= 5, metrics
         assert peak <= MAX_QUEUED_PACKETS + 8, peak
         assert len(link.outbox) <= 1000 and metrics["dropped"]["log"] > 0
         os.kill(proc.pid, signal.SIGCONT)
