@@ -67,35 +67,40 @@ class ImageLoader:
                 "messages",
                 code="too_many_images",
             )
-        out: list[bytes | None] = []
-        fetched: list[tuple[int, str]] = []
-        for url in urls:
-            if url[:8].lower().startswith(("http://", "https://")) and self.policy.allow_urls:
-                fetched.append((len(out), url))
-                out.append(None)
-            else:
-                out.append(decode_data_uri(url, self.policy.max_bytes))
-        if fetched:
-            limit = self.policy.fetch_timeout_s
-            tasks = [asyncio.create_task(self.fetch(url)) for _, url in fetched]
-            try:
-                async with asyncio.timeout(limit) as deadline:
-                    got = await asyncio.gather(*tasks)
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                raise APIError(
-                    400,
-                    f"Image URLs were not fetched within {limit:g} s",
-                    code="image_url_timeout",
-                    param="messages",
-                ) from None
-            finally:
-                for task in tasks:  # the first failure ends the others
-                    task.cancel()
-            for (i, _), data in zip(fetched, got, strict=True):
-                out[i] = data
-        return [b for b in out if b is not None]
+        # data: URIs are checked first: a bad one is refused before anything is fetched.
+        inline = {
+            i: decode_data_uri(url, self.policy.max_bytes)
+            for i, url in enumerate(urls)
+            if not self._fetched(url)
+        }
+        got = iter(await self._fetch_all([u for i, u in enumerate(urls) if i not in inline]))
+        return [inline[i] if i in inline else next(got) for i in range(len(urls))]
+
+    def _fetched(self, url: str) -> bool:
+        return self.policy.allow_urls and url[:8].lower().startswith(("http://", "https://"))
+
+    async def _fetch_all(self, urls: list[str]) -> list[bytes]:
+        """Fetch `urls` side by side, all within the policy's deadline; the first failure
+        ends the others."""
+        if not urls:
+            return []
+        limit = self.policy.fetch_timeout_s
+        tasks = [asyncio.create_task(self.fetch(url)) for url in urls]
+        try:
+            async with asyncio.timeout(limit) as deadline:
+                return await asyncio.gather(*tasks)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise APIError(
+                400,
+                f"Image URLs were not fetched within {limit:g} s",
+                code="image_url_timeout",
+                param="messages",
+            ) from None
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _checked_address(self, host: str, port: int) -> str:
         try:
