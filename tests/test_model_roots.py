@@ -1,11 +1,15 @@
 """Files stay inside the model roots (ruling 12, issue 17): every path-like field of every
 backend type, given as an absolute path, a `..` path or a symlink out of MODELS_DIR, is a 422
 naming the field and the roots, at create and update; a symlink re-pointed after create fails
-the start before anything is spawned; MODEL_ROOTS directories are accepted."""
+the start before anything is spawned; MODEL_ROOTS directories are accepted. Untyped values
+(SGLang's extra_args and extra_env) are judged in every form a backend may read a path from,
+and backends run in MODELS_DIR, so a name the check let through as a Hub id opens nothing
+beside the host."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,9 @@ from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.schemas import parse_config
 from solar_host.model_store.roots import check_config, confine
 from tests.fixtures.gguf import llama_server_binary, write_tiny_gguf
+from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401
 from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.script_backend import ScriptBackend, script_config
 
 BACKENDS = (
     "llamacpp",
@@ -122,8 +128,7 @@ def cases(t: dict[str, Path]) -> list[tuple[str, str, dict[str, Any]]]:
                 (bt, "model_source", {"backend_type": bt, "alias": "a", "model_source": source})
             )
         sg = base_config(t, "sglang")
-        if not (bad.startswith("/") or ".." in bad):
-            continue  # a bare word in extra_args is relative to the backend's cwd, not models/
+        # Bare words too ("outdir"): backends run in MODELS_DIR, where that is a link out.
         out.append(("sglang", "extra_args", {**sg, "extra_args": ["--tokenizer-path", bad]}))
         out.append(("sglang", "extra_args", {**sg, "extra_args": [f"--chat-template={bad}"]}))
         out.append(("sglang", "extra_env", {**sg, "extra_env": {"SOME_DIR": bad}}))
@@ -297,3 +302,122 @@ def test_symlink_loop_is_refused_not_hung(tmp_path: Path) -> None:
     except ValueError:
         return
     assert str(config.model_path).startswith(str(models.resolve()))
+
+
+def _sglang(t: dict[str, Path], **extra: Any) -> dict[str, Any]:
+    return {**base_config(t, "sglang"), **extra}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # --lora-paths takes NAME=PATH, a JSON object, and comma lists of either.
+        {"extra_args": ["--enable-lora", "--lora-paths", "x={outside}"]},
+        {"extra_args": ["--lora-paths=x={outside}"]},
+        {"extra_args": ["--lora-paths", "a=hf,b={outside}"]},
+        {"extra_args": ["--lora-paths", '{{"lora_name": "x", "lora_path": "{outside}"}}']},
+        {"extra_args": ["--model-loader-extra-config", '{{"dirs": ["hf", "{outside}"]}}']},
+        {"extra_args": ["--tokenizer-path", "~/.cache/huggingface"]},
+        # huggingface_hub expands ~ and $VARS in HF_HOME and its other directories.
+        {"extra_env": {"HF_HOME": "~/.cache/huggingface"}},
+        {"extra_env": {"HF_HOME": "~root"}},
+        {"extra_env": {"HF_HOME": "$HOME/.cache/huggingface"}},
+        {"extra_env": {"HF_HOME": "${{HOME}}"}},
+        {"extra_env": {"HF_HUB_CACHE": "$BAIT", "BAIT": "{outside}"}},
+    ],
+)
+def test_untyped_values_are_judged_in_every_form(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
+) -> None:
+    """Paths tucked inside SGLang's untyped values (issue 17 review): refused at create and
+    again at start, with the value as written in the message, not what it expands to."""
+    monkeypatch.setenv("HOME", str(tree["outside"]))
+    outside = str(tree["outside"] / "hfdir")
+    filled = {
+        k: [a.format(outside=outside) for a in v]
+        if isinstance(v, list)
+        else {n: x.format(outside=outside) for n, x in v.items()}
+        for k, v in extra.items()
+    }
+    cfg = _sglang(tree, **filled)
+    with pytest.raises(ValueError) as err:
+        parse_config(cfg, models_dir=tree["models"], roots=[tree["models"]])
+    field = next(iter(extra))
+    assert field in str(err.value), str(err.value)
+    if field == "extra_env" and "$" in str(extra):
+        assert str(tree["outside"]) not in str(err.value)  # no variable's value echoed
+    stored = parse_config(cfg, models_dir=tree["models"], roots=[tree["models"]], strict=False)
+    with pytest.raises(ValueError, match="outside of MODELS_DIR"):
+        check_config(stored, [tree["models"]])
+
+
+def test_untyped_values_inside_the_roots_are_accepted(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tree["models"]))
+    hf = str(tree["models"] / "hf")
+    for extra in (
+        {"extra_args": ["--lora-paths", f"x={hf}", '{"lora_name": "y", "lora_path": "hf"}']},
+        {"extra_args": ["--tp", "2", "--mem-fraction-static=0.8", "--dtype", "bfloat16"]},
+        {"extra_env": {"HF_HOME": "~/hf", "HF_HUB_CACHE": "$HOME/hf", "CACHE": "hf"}},
+        {"extra_env": {"SOME_DIR": "hf", "HF_HUB_CACHE": "$SOME_DIR"}},
+        {"extra_env": {"HF_TOKEN": "hf_abc$def", "NOTE": "a=b,c"}},
+    ):
+        config = parse_config(
+            _sglang(tree, **extra), models_dir=tree["models"], roots=[tree["models"]]
+        )
+        check_config(config, [tree["models"]])
+
+
+@pytest.mark.parametrize("field", ["model", "chat_template_file", "mmproj"])
+@pytest.mark.parametrize("bad", ["a/" * 3000 + "x.gguf", "x" * 300 + ".gguf", "\ud800.gguf"])
+def test_a_path_no_file_can_have_is_a_422_naming_the_field(
+    tree: dict[str, Path], field: str, bad: str
+) -> None:
+    cfg = {**base_config(tree, "llamacpp"), field: bad}
+    with pytest.raises(ValueError) as err:
+        parse_config(cfg, models_dir=tree["models"], roots=[tree["models"]])
+    assert field in str(err.value)
+
+
+async def test_backends_run_in_models_dir(tree: dict[str, Path]) -> None:
+    """A backend's working directory is MODELS_DIR, whatever the host's own is: a relative
+    name it opens is one the roots check judged there."""
+    settings = host_settings(tree["root"])
+    async with running_host(settings, backends=BackendRegistry([ScriptBackend()])) as h:
+        c = h.client
+        r = await c.post("/instances", json={"config": script_config(tree["root"])})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        r = await c.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        pid = (await c.get(f"/instances/{iid}")).json()["pid"]
+        try:
+            assert Path(os.readlink(f"/proc/{pid}/cwd")) == tree["models"].resolve()
+        finally:
+            await c.post(f"/instances/{iid}/stop")
+
+
+async def test_a_hub_shaped_model_id_never_loads_a_directory_beside_the_host(
+    tree: dict[str, Path],
+    tiny_hf_models: TinyHFModels,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """model_id "private-model" names nothing under MODELS_DIR, so it is a Hub id; a model of
+    that name in the host's working directory must not be what the backend loads."""
+    cwd = tree["root"] / "host-cwd"
+    cwd.mkdir()
+    shutil.copytree(tiny_hf_models.causal, cwd / "private-model")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub here: the start must fail
+    settings = host_settings(tree["root"], max_retries=0)
+    async with running_host(settings, backends=BackendRegistry.default()) as h:
+        c = h.client
+        cfg = {"backend_type": "huggingface_causal", "alias": "p", "model_id": "private-model"}
+        r = await c.post("/instances", json={"config": cfg})
+        assert r.status_code == 200, r.text  # a Hub id: accepted, as documented
+        iid = r.json()["instance"]["id"]
+        r = await c.post(f"/instances/{iid}/start", timeout=120)
+        assert r.status_code >= 400, r.text  # not served from host-cwd/private-model
+        inst = (await c.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "failed", inst

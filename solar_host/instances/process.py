@@ -58,12 +58,17 @@ class BackendProcess:
         return None
 
 
-def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendProcess:
-    """Start `argv` in a new session with stdout+stderr appended to `log_path`.
+def spawn(
+    argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path | None = None
+) -> BackendProcess:
+    """Start `argv` in a new session with stdout+stderr appended to `log_path`, in the working
+    directory `cwd` (created if missing; None: the host's own).
 
     Blocking (fork/exec, /proc reads): call it through asyncio.to_thread.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if cwd is not None:
+        cwd.mkdir(parents=True, exist_ok=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     try:
         popen = subprocess.Popen(
@@ -74,6 +79,7 @@ def spawn(argv: list[str], env: Mapping[str, str], log_path: Path) -> BackendPro
             env=dict(env),
             start_new_session=True,
             close_fds=True,
+            cwd=cwd,
         )
     finally:
         os.close(fd)

@@ -279,7 +279,10 @@ def _llamacpp_base_dir(config: LlamaCppConfig, lookup: ManifestLookup | None) ->
             return found
     if config.model:
         p = Path(config.model)
-        return p if p.is_dir() else p.parent
+        try:
+            return p if p.is_dir() else p.parent
+        except OSError:  # e.g. a stored record's name too long to stat: its start says why
+            return p.parent
     return None
 
 

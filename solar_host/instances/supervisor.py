@@ -284,7 +284,17 @@ class Supervisor:
         try:
             write_private_files(spec.private_files)
             # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
-            proc = await _off_loop(procs.spawn, spec.argv, env, log_path, undo=_kill_unrecorded)
+            # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
+            # transformers tries as a directory first, an SGLang path) is then the file the
+            # roots check judged, never one beside wherever the host was started (ruling 12).
+            proc = await _off_loop(
+                procs.spawn,
+                spec.argv,
+                env,
+                log_path,
+                settings.models_dir,
+                undo=_kill_unrecorded,
+            )
         except OSError as err:
             self.m.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None

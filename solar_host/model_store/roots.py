@@ -12,14 +12,18 @@ Messages name the field, the value as given and the roots; never anything read f
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 # Fields that always name a file or directory, whatever backend has them.
 PATH_FIELDS = ("model", "mmproj", "spec_draft_model", "chat_template_file", "model_path")
+# Linux's limits (limits.h): longer names fail every system call with ENAMETOOLONG.
+PATH_MAX = 4096
+NAME_MAX = 255
 # A HuggingFace Hub id (`org/name` or `name`): not a path, fetched from the Hub instead.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
@@ -42,10 +46,22 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
-def confine(value: str, roots: Sequence[Path], field: str) -> Path:
-    """The real path of `value` (relative: under roots[0]) if it lies in a root, else raise."""
+def confine(value: str, roots: Sequence[Path], field: str, given: str | None = None) -> Path:
+    """The real path of `value` (relative: under roots[0]) if it lies in a root, else raise.
+
+    `given`: the value as the config wrote it, for the message, when `value` is what it expands
+    to (the expansion may hold an environment variable's value, which is not echoed)."""
     if "\x00" in value:
         raise OutsideRoots(field, f"{field} must not contain NUL characters")
+    try:
+        raw = os.fsencode(value)
+    except UnicodeError:  # a lone surrogate: no file has such a name
+        raise OutsideRoots(field, f"{field} is not a valid path (unencodable characters)") from None
+    if len(raw) >= PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        raise OutsideRoots(
+            field,
+            f"{field} is too long for a path (at most {PATH_MAX - 1} bytes, {NAME_MAX} per name)",
+        )
     candidate = Path(value)
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
@@ -56,8 +72,8 @@ def confine(value: str, roots: Sequence[Path], field: str) -> Path:
             return real
     raise OutsideRoots(
         field,
-        f"{field} '{value}' resolves outside of MODELS_DIR and MODEL_ROOTS "
-        f"(allowed roots: {describe_roots(roots)})",
+        f"{field} '{value if given is None else given}' resolves outside of MODELS_DIR and "
+        f"MODEL_ROOTS (allowed roots: {describe_roots(roots)})",
     )
 
 
@@ -65,22 +81,83 @@ def _looks_like_path(value: str) -> bool:
     return value.startswith(("/", "~", ".")) or ".." in Path(value).parts
 
 
-def _untyped_path(value: str) -> str | None:
-    """The path an untyped value (extra_args, extra_env) would open, or None.
+# `$NAME` and `${NAME}`, as os.path.expandvars reads them.
+_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
 
-    A bare word counts when it names something in the working directory the backend
-    inherits: the backend would open that, so it is judged as an absolute path.
+
+def _expanded(value: str, env: Mapping[str, str]) -> str:
+    """`value` as a program that expands `~` and environment variables in a path (as
+    huggingface_hub does for HF_HOME and friends) would open it, reading variables from the
+    backend's environment `env`."""
+
+    def var(m: re.Match[str]) -> str:
+        name = m.group(1).strip("{}")
+        return env.get(name, m.group(0))
+
+    value = _VAR.sub(var, value) if "$" in value else value
+    if value.startswith("~"):
+        home = env.get("HOME")
+        if value == "~" or value.startswith("~/"):
+            value = (home or os.path.expanduser("~")) + value[1:]
+        else:
+            value = os.path.expanduser(value)  # ~user
+    return value
+
+
+def _json_strings(doc: Any) -> Iterator[str]:
+    if isinstance(doc, str):
+        yield doc
+    elif isinstance(doc, list):
+        for item in doc:
+            yield from _json_strings(item)
+    elif isinstance(doc, dict):
+        for item in doc.values():
+            yield from _json_strings(item)
+
+
+def _pieces(value: str, depth: int = 0) -> Iterator[str]:
+    """The parts of an untyped value that a backend may open as paths: the value itself, the
+    value of `--flag=value`, and within them each part of `NAME=PATH` and of comma lists, and
+    each string of a JSON document (SGLang's --lora-paths takes all three forms)."""
+    yield value
+    if depth >= 3:
+        return
+    parts = re.split(r"[=,]", value)
+    if len(parts) > 1:
+        for part in parts:
+            if part:
+                yield from _pieces(part, depth + 1)
+    if value.lstrip()[:1] in ("{", "[", '"'):
+        try:
+            doc = json.loads(value)
+        except ValueError:
+            return
+        for text in _json_strings(doc):
+            yield from _pieces(text, depth + 1)
+
+
+def _untyped_paths(
+    value: str, roots: Sequence[Path], env: Mapping[str, str]
+) -> Iterator[tuple[str, str]]:
+    """The paths an untyped value (an extra_args item, an extra_env value) could open, each
+    with the piece of the value it comes from.
+
+    A bare word counts when it names something in MODELS_DIR, the backends' working
+    directory: the backend would open that (confine() judges it there, links resolved).
     """
     if "\x00" in value:
-        return value
-    if _looks_like_path(value):
-        return value
-    try:
-        if os.path.lexists(value):
-            return os.path.abspath(value)
-    except (OSError, ValueError):
-        return None
-    return None
+        yield value, value
+        return
+    for piece in dict.fromkeys(_pieces(value)):
+        for form in dict.fromkeys((piece, _expanded(piece, env))):
+            if _looks_like_path(form):
+                yield form, piece
+            else:
+                try:
+                    if form and os.path.lexists(roots[0] / form):
+                        yield form, piece
+                except (OSError, ValueError):
+                    continue
 
 
 def _is_hub_id(value: str, roots: Sequence[Path]) -> bool:
@@ -88,41 +165,41 @@ def _is_hub_id(value: str, roots: Sequence[Path]) -> bool:
     return bool(_HUB_ID.match(value)) and not (roots[0] / value).exists()
 
 
-def _arg_values(args: Sequence[str]) -> Iterator[str]:
-    """Values in an extra_args list: `--flag value` and `--flag=value` alike."""
-    for arg in args:
-        yield arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
-
-
-def config_paths(config: Any, roots: Sequence[Path]) -> Iterator[tuple[str, str]]:
-    """(field, value) of every path a config names that the backend will open.
+def config_paths(config: Any, roots: Sequence[Path]) -> Iterator[tuple[str, str, str]]:
+    """(field, path, the value as written) of every path a config names that the backend will
+    open.
 
     model_source first: when the model path was derived from it, the error names the source.
     """
     source = getattr(config, "model_source", None)
     if isinstance(source, str) and source.startswith("local://"):
-        yield "model_source", source[len("local://") :]
+        path = source[len("local://") :]
+        yield "model_source", path, path
     for name in PATH_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, str) and value:
-            yield name, value
+            yield name, value, value
     model_file = getattr(config, "model_file", None)
     if isinstance(model_file, str) and Path(model_file).is_absolute():
         # Relative patterns are matched inside the model directory (backends/files.py).
-        yield "model_file", model_file
+        yield "model_file", model_file, model_file
     model_id = getattr(config, "model_id", None)
     if isinstance(model_id, str) and model_id and not _is_hub_id(model_id, roots):
-        yield "model_id", model_id
+        yield "model_id", model_id, model_id
     # SGLang passes these through untyped: any value in them that is a path is one the
-    # backend may open (--chat-template, --tokenizer-path, a cache directory, ...).
-    for value in _arg_values(getattr(config, "extra_args", None) or ()):
-        path = _untyped_path(value)
-        if path is not None:
-            yield "extra_args", path
-    for name, value in (getattr(config, "extra_env", None) or {}).items():
-        path = _untyped_path(value) if isinstance(value, str) else None
-        if path is not None:
-            yield f"extra_env.{name}", path
+    # backend may open (--chat-template, --tokenizer-path, --lora-paths NAME=PATH, a cache
+    # directory in HF_HOME, ...).
+    extra_env = {
+        k: v for k, v in (getattr(config, "extra_env", None) or {}).items() if isinstance(v, str)
+    }
+    env = {**os.environ, **extra_env}  # what the backend's `$NAME` and `~` expand to
+    for value in getattr(config, "extra_args", None) or ():
+        if isinstance(value, str):
+            for path, given in _untyped_paths(value, roots, env):
+                yield "extra_args", path, given
+    for name, value in extra_env.items():
+        for path, given in _untyped_paths(value, roots, env):
+            yield f"extra_env.{name}", path, given
 
 
 def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
@@ -131,8 +208,8 @@ def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
     Returns the real path of each checked field (the last value wins for repeated fields).
     """
     out: dict[str, Path] = {}
-    for field, value in config_paths(config, roots):
-        out[field] = confine(value, roots, field)
+    for field, path, given in config_paths(config, roots):
+        out[field] = confine(path, roots, field, given)
     return out
 
 

@@ -76,6 +76,16 @@ def confine(path: str | os.PathLike[str], root: Path, *, what: str = "path") -> 
     return resolved
 
 
+def _check_path_text(value: str, what: str) -> None:
+    """Refuse text no file name can hold: NUL, or a lone surrogate (JSON's "\\ud800")."""
+    if "\x00" in value:
+        raise SourceError(f"{what} must not contain NUL characters")
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        raise SourceError(f"{what} is not a valid path (unencodable characters)") from None
+
+
 def resolve_local_uri(uri: str, models_dir: Path) -> Path:
     """`local://rel` -> MODELS_DIR/rel (confined); `local:///abs` as is (roots.py checks it)."""
     if not uri.startswith(LOCAL_PREFIX):
@@ -83,8 +93,7 @@ def resolve_local_uri(uri: str, models_dir: Path) -> Path:
     rest = uri[len(LOCAL_PREFIX) :]
     if not rest:
         raise SourceError("local:// URI names no path")
-    if "\x00" in rest:
-        raise SourceError("model_source must not contain NUL characters")
+    _check_path_text(rest, "model_source")
     if Path(rest).is_absolute():
         return Path(rest)
     return _anchor(rest, models_dir)
@@ -98,8 +107,7 @@ def resolve_model_path(value: str, models_dir: Path, *, hub_id_allowed: bool = F
     `hub_id_allowed`, a relative value that names nothing under MODELS_DIR is a Hub id
     (`org/name`) and is kept as is.
     """
-    if "\x00" in value:
-        raise SourceError("model path must not contain NUL characters")
+    _check_path_text(value, "model path")
     if value.startswith(LOCAL_PREFIX):
         return str(resolve_local_uri(value, models_dir))
     p = Path(value).expanduser()
