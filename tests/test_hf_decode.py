@@ -286,3 +286,54 @@ def test_a_long_generation_decodes_windows_not_its_whole_text_each_step(model) -
     assert len(whole) == 1 and len(whole[0]) == 400  # once, at the end, not at every step
     assert res.text == tok.decode(whole[0], skip_special_tokens=True)
     assert "".join(pieces) == res.text
+
+
+def test_a_request_that_fails_alone_leaves_its_batch_generating(model) -> None:
+    """What fails for one row (its sampling, its seed, an empty prompt) ends that request
+    only: the rows beside it, in the same prefill and the same steps, finish as they would
+    alone. (The server refuses such parameters first; this is the scheduler's own guard.)"""
+    lm, tok = model
+    results: dict[str, GenResult | BaseException] = {}
+    done: dict[str, threading.Event] = {}
+
+    def post(calls: list, then: Any) -> None:
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None:
+            then()
+
+    def request(name: str, ids: list[int], params: GenParams, max_new: int) -> GenRequest:
+        done[name] = threading.Event()
+
+        def finished(res: GenResult | BaseException) -> None:
+            results[name] = res
+            done[name].set()
+
+        return GenRequest(ids, params, max_new, None, finished)
+
+    ids = tok("the cat sat")["input_ids"]
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1)
+    sched.start()
+    try:
+        sched.submit(request("alone", ids, GenParams(temperature=0), 40))
+        assert done["alone"].wait(60)
+        reqs = [
+            request("greedy", ids, GenParams(temperature=0), 40),
+            request("overflow", ids, GenParams(temperature=1e-300, seed=1), 40),
+            request("seed", ids, GenParams(temperature=1.0, seed=2**64), 40),
+            request("empty", [], GenParams(temperature=0), 40),
+        ]
+        with sched._cond:  # one turn of the scheduler: one prefill for all of them
+            sched._pending.extend(reqs)
+            sched._cond.notify()
+        for name in ("greedy", "overflow", "seed", "empty"):
+            assert done[name].wait(60), name
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    greedy, alone = results["greedy"], results["alone"]
+    assert isinstance(greedy, GenResult) and isinstance(alone, GenResult)
+    assert (greedy.text, greedy.completion_tokens) == (alone.text, alone.completion_tokens)
+    for name in ("overflow", "seed", "empty"):
+        assert isinstance(results[name], Exception), (name, results[name])
+    assert stats["failed"] == 1 and stats["rows"] == 0, stats  # the overflow row's sampling

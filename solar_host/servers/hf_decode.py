@@ -81,6 +81,7 @@ class GenRequest:
     on_piece: Callable[[str], None] | None
     on_done: Callable[[GenResult | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    refused: bool = False  # answered with an error before its prefill (see _admit)
 
 
 @dataclass
@@ -135,6 +136,7 @@ class DecodeScheduler:
         self.admitted = 0
         self.finished = 0
         self.cancelled = 0
+        self.failed = 0  # rows ended by an error of their own (the batch went on)
         self.max_rows = 0
         self.rows_now = 0
 
@@ -174,6 +176,7 @@ class DecodeScheduler:
             "admitted": self.admitted,
             "finished": self.finished,
             "cancelled": self.cancelled,
+            "failed": self.failed,
             "joins_running_batch": self._mergeable is not False,
             **_ms_fit(self.prefill_cost.fit()),
             "handoff_ms": None if self.handoff_s is None else round(self.handoff_s * 1000, 3),
@@ -212,7 +215,7 @@ class DecodeScheduler:
                 for r in self._rows:
                     self._out.append((r.req.on_done, err))
                 for r in new:
-                    if not any(row.req is r for row in self._rows):
+                    if not r.refused and not any(row.req is r for row in self._rows):
                         self._out.append((r.on_done, err))
                 self._reset()
             self.rows_now = len(self._rows)
@@ -275,9 +278,31 @@ class DecodeScheduler:
         self._rows, self._cache, self._mask = [], None, None
 
     def _admit(self, reqs: list[GenRequest]) -> None:
-        """Prefill the new requests together and merge their rows into the running batch."""
+        """Prefill the new requests together and merge their rows into the running batch.
+
+        A request that cannot become a row (no prompt ids, a seed its generator refuses) fails
+        alone, before the prefill, which the others then share."""
         from transformers import DynamicCache
 
+        rows = []
+        for r in reqs:
+            try:
+                if not r.ids:
+                    raise ValueError("the prompt has no tokens")
+                rows.append(
+                    _Row(
+                        r,
+                        StopScanner(r.params.stop),
+                        _generator(r.params, self.device),
+                        Detokenizer.of(self.tok),
+                    )
+                )
+            except Exception as err:
+                r.refused = True
+                self._out.append((r.on_done, err))
+        reqs = [row.req for row in rows]
+        if not reqs:
+            return
         width = max(len(r.ids) for r in reqs)
         x = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         m = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -310,15 +335,6 @@ class DecodeScheduler:
             self._mergeable = bool(layers) and all(
                 type(layer).__name__ == "DynamicLayer" for layer in layers
             )
-        rows = [
-            _Row(
-                r,
-                StopScanner(r.params.stop),
-                _generator(r.params, self.device),
-                Detokenizer.of(self.tok),
-            )
-            for r in reqs
-        ]
         if self._rows:
             self._merge(cache, m)
         else:
@@ -363,10 +379,14 @@ class DecodeScheduler:
     def _accept(self, rows: list[_Row], logits: torch.Tensor, first: int) -> None:
         """Pick each row's next token from its logits; finish the rows that are done."""
         greedy = logits.argmax(-1).tolist()
-        done: dict[int, str] = {}
+        done: dict[int, str | BaseException] = {}
         for i, row in enumerate(rows):
             p = row.req.params
-            t = greedy[i] if p.temperature <= 0 else _sample(logits[i], p, row.gen)
+            try:
+                t = greedy[i] if p.temperature <= 0 else _sample(logits[i], p, row.gen)
+            except Exception as err:  # this row's sampling alone: the batch goes on
+                done[first + i] = err
+                continue
             piece = row.scanner.update(row.text.add(t))
             if piece and row.req.on_piece is not None:
                 self._out.append((row.req.on_piece, piece))
@@ -377,13 +397,16 @@ class DecodeScheduler:
         if done:
             self._drop(lambda r: False, done)
 
-    def _drop(self, cancelled: Callable[[_Row], bool], done: dict[int, str] | None) -> None:
-        """Remove finished (done: row index -> reason) and cancelled rows from the batch.
+    def _drop(
+        self, cancelled: Callable[[_Row], bool], done: dict[int, str | BaseException] | None
+    ) -> None:
+        """Remove finished (done: row index -> reason, or the error that ended the row) and
+        cancelled rows from the batch.
 
         The batch shrinks before the counters move: stats() read from another thread never
         shows a request counted as cancelled or finished while its row is still there."""
         keep: list[int] = []
-        gone: list[tuple[_Row, str | None]] = []  # (row, reason; None: cancelled)
+        gone: list[tuple[_Row, str | BaseException | None]] = []  # (row, reason; None: cancelled)
         for i, row in enumerate(self._rows):
             if done is not None and i in done:
                 gone.append((row, done[i]))
@@ -399,6 +422,9 @@ class DecodeScheduler:
             if reason is None:
                 self.cancelled += 1
                 self._out.append((row.req.on_done, Cancelled("client disconnected")))
+            elif isinstance(reason, BaseException):
+                self.failed += 1
+                self._out.append((row.req.on_done, reason))
             else:
                 self._finish(row, reason)
 
@@ -452,8 +478,10 @@ def _sample(logits: torch.Tensor, params: GenParams, gen: torch.Generator | None
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the top token (top_p 0
+        # keeps that one alone).
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -11,12 +11,22 @@ import base64
 import binascii
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 MAX_STOP_SEQUENCES = 4
+# Texts in one embeddings or classification request (OpenAI's own limit): each is a row of the
+# worker's batches, which every other request of the model waits behind.
+MAX_INPUTS = 2048
+# torch.Generator.manual_seed takes an unsigned 64-bit seed.
+MAX_SEED = 2**64 - 1
+# Below this a temperature is greedy decoding: logits divided by it overflow to infinity.
+MIN_TEMPERATURE = 1e-5
+# A JSON escape of a UTF-16 surrogate: the body may hold a lone one, which is no character.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class APIError(Exception):
@@ -65,9 +75,38 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
         raise bad(f"Request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise bad("Request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("Request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        for name, value in body.items():
+            if not _encodable(value):
+                raise bad(
+                    f"'{name}' holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                    "without its pair), which is not a character",
+                    name,
+                )
     return body
+
+
+def _encodable(value: Any) -> bool:
+    """Whether every string in `value` is valid Unicode (json.loads lets lone surrogates in;
+    a tokenizer then fails, for every request of its batch)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+    return True
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -115,6 +154,8 @@ def text_inputs(body: dict[str, Any], name: str = "input") -> list[str]:
         raise bad(f"'{name}' must be a string or a list of strings", name)
     if not v:
         raise bad(f"'{name}' must not be empty", name)
+    if len(v) > MAX_INPUTS:
+        raise bad(f"'{name}' holds {len(v)} texts; at most {MAX_INPUTS} per request", name)
     for i, s in enumerate(v):
         if not isinstance(s, str):
             raise bad(f"'{name}[{i}]' must be a string", name)
@@ -220,14 +261,16 @@ def parse_gen_params(body: dict[str, Any]) -> GenParams:
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     include_usage = bool(opts and opts.get("include_usage") is True)
+    temperature: float = _number(body, "temperature", 1.0, 0.0, 2.0)  # type: ignore[assignment]
     return GenParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # type: ignore[arg-type]
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
+        # 0 keeps only the most likely token (the sampler always keeps that one).
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),  # type: ignore[arg-type]
         max_tokens=max_tokens if max_tokens is not None else mct,
         stop=stop,
         stream=_bool(body, "stream", False),
         include_usage=include_usage,
-        seed=_int(body, "seed", 0),
+        seed=_int(body, "seed", 0, MAX_SEED),
     )
 
 

@@ -349,24 +349,60 @@ class _Watch:
         return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
 
+def _longest_token(tokenizer: Any) -> int:
+    """Characters in the longest entry of the vocabulary (as the vocabulary spells it, which is
+    never shorter than the text it stands for); 64 when the tokenizer does not say."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(64, max((len(t) for t in vocab), default=0))
+    except Exception:  # a tokenizer without get_vocab
+        return 64
+
+
 class CausalEngine:
     def __init__(self, model: Any, tokenizer: Any, device: str, opts: LoadOptions):
         self.model, self.tok, self.device = model, tokenizer, device
         self.limit = _model_limit(model, opts.max_length)
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         self.encode = PromptEncoder(tokenizer)  # runs on the event loop: keeps the GIL
+        # The most characters a prompt that fits the context can have: no token stands for
+        # more than the longest entry of the vocabulary, and normalisers (NFC and the like)
+        # at most halve a text. Past that a prompt is refused before it is tokenized, on the
+        # event loop every request shares (an 8 MB prompt took 25 s there).
+        self.max_prompt_chars = self.limit * 2 * _longest_token(tokenizer)
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        if self.has_template:
+        if not self.has_template:
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + "\nassistant:"
+        from jinja2 import TemplateError
+
+        try:
             return self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
-        lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + "\nassistant:"
+        except TemplateError as err:  # the template's raise_exception (roles must alternate)
+            raise APIError(
+                400,
+                f"This model's chat template refused the messages: {err}",
+                code="invalid_messages",
+                param="messages",
+            ) from None
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        field = "messages" if chat else "prompt"
+        if len(prompt) > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"The prompt has {len(prompt)} characters, more than fit in this model's "
+                f"maximum context of {self.limit} tokens",
+                code="context_length_exceeded",
+                param=field,
+            )
         # A chat template writes its own BOS; a raw completion prompt gets the tokenizer's.
         ids = self.encode(prompt, add_special_tokens=not chat)
+        if not ids:
+            raise APIError(400, f"The {field} is empty: there is nothing to continue", param=field)
         if len(ids) >= self.limit:
             raise APIError(
                 400,
@@ -477,10 +513,19 @@ class VisionEngine(CausalEngine):
                 raise APIError(
                     400, f"Image {i} could not be decoded: {err}", param="messages"
                 ) from None
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        # The prompt is the processor's: the image placeholders are expanded to the tokens the
-        # model really reads, so usage counts them as the processor does.
-        inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+            # The prompt is the processor's: the image placeholders are expanded to the tokens
+            # the model really reads, so usage counts them as the processor does.
+            inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
+        except (TemplateError, ValueError) as err:
+            # The messages do not fit the processor: roles out of order, or image placeholders
+            # typed in the text that match no image part.
+            raise APIError(
+                400, f"The model's processor refused the messages: {err}", param="messages"
+            ) from None
         return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
 
 

@@ -211,14 +211,12 @@ class HFServer:
                 max_bytes=getattr(args, "max_image_bytes", 10 * 1024 * 1024),
             )
         )
-        # The largest body read: room for every allowed image as base64, plus the text.
-        self.max_body = (
-            max(
-                MIN_BODY_LIMIT,
-                self.images.policy.max_images * self.images.policy.max_bytes * 4 // 3,
-            )
-            + MIN_BODY_LIMIT
-        )
+        # The largest body read: for a vision model, room for every allowed image as base64,
+        # plus the text; for the others the text alone.
+        self.max_body = MIN_BODY_LIMIT
+        if args.model_type == "vision":
+            policy = self.images.policy
+            self.max_body += max(MIN_BODY_LIMIT, policy.max_images * policy.max_bytes * 4 // 3)
         # Causal models decode in the step-level scheduler (hf_decode), started in lifespan.
         self.decoder: Any = None
         self._ids = itertools.count(1)
