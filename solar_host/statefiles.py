@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,17 @@ def decode_text(path: Path, raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise StateFileError(path, f"not UTF-8 text (byte {err.start})") from None
+
+
+def parse_json(path: Path, raw: bytes) -> Any:
+    """The JSON document in a state file's bytes; StateFileError when there is none (bad UTF-8,
+    bad JSON, or nesting deeper than the parser's recursion: that too is damage, not a crash)."""
+    text = decode_text(path, raw)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise StateFileError(path, f"not valid JSON ({reason})") from None
 
 
 def sweep_temp_files(path: Path) -> None:

@@ -220,6 +220,51 @@ async def test_reservation_store_that_cannot_be_parsed_is_refused(tmp_path: Path
         assert path.read_bytes() == damaged
 
 
+DEEP = b"[" * 100_000 + b"]" * 100_000  # deeper than json's recursion
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [b"{}", b'{"roles": ["inference"]}', b'{"instance": []}', DEEP],
+)
+def test_config_json_without_its_instance_list_is_refused_not_read_as_empty(
+    tmp_path: Path, damaged: bytes
+) -> None:
+    """Read as "no instances", such a file made the boot sweep stop every backend and the
+    boot save replace the good previous copy with the damage (review of the state files)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(damaged)
+    good = b'{"roles": ["inference"], "instances": []}'
+    (tmp_path / "config.json.prev").write_bytes(good)
+    with pytest.raises(StateFileError, match=r"config\.json"):
+        InstanceStore(cfg, tmp_path).load()
+    assert cfg.read_bytes() == damaged
+    assert (tmp_path / "config.json.prev").read_bytes() == good
+
+
+@pytest.mark.parametrize("damaged", [b"{}", b'{"version": 1}', b'{"jobs": {}}', DEEP])
+def test_a_jobs_store_without_its_job_list_is_refused(tmp_path: Path, damaged: bytes) -> None:
+    from solar_host.jobs.store import parse_store
+
+    with pytest.raises(StateFileError, match="jobs"):
+        parse_store(tmp_path / "jobs.json", damaged)
+
+
+def test_restore_state_takes_back_a_file_nested_too_deeply_to_parse(tmp_path: Path) -> None:
+    settings = Settings(api_key="k" * 20, config_file=tmp_path / "config.json")
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(DEEP)
+    good = b'{"roles": ["inference"], "instances": []}'
+    (tmp_path / "config.json.prev").write_bytes(good)
+    said: list[str] = []
+    assert restore_state(settings, say=said.append) == 0
+    assert cfg.read_bytes() == good, said
+    from solar_host.resources.ledger_store import parse_reservations
+
+    with pytest.raises(StateFileError, match="nested too deeply"):
+        parse_reservations(tmp_path / "reservations.json", DEEP)
+
+
 # --- restore-state -----------------------------------------------------------------------------
 
 

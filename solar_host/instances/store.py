@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -27,8 +26,8 @@ from solar_host.statefiles import (
     GroupCommit,
     StateFileError,
     atomic_write_bytes,
-    decode_text,
     last_good_path,
+    parse_json,
     read_state_bytes,
     sweep_temp_files,
     tighten_mode,
@@ -196,18 +195,19 @@ class InstanceStore:
 
     def parse(self, raw: bytes) -> LoadResult:
         """Parse the file's bytes; raises StateFileError, fills `quarantined` and `extra`."""
-        text = decode_text(self.path, raw)
-        try:
-            doc = json.loads(text)
-        except ValueError as err:
-            raise StateFileError(self.path, f"not valid JSON ({err})") from None
+        doc = parse_json(self.path, raw)
         if isinstance(doc, list):  # oldest format: a bare list of instances
             doc = {"instances": doc}
         if not isinstance(doc, dict):
             raise StateFileError(
                 self.path, f"expected an object with an 'instances' list, found {_kind(doc)}"
             )
-        entries = doc.get("instances", [])
+        if "instances" not in doc:
+            # Every writer of this file writes the list, empty or not: a document without it
+            # is damage, and reading it as "no instances" would stop every backend and let
+            # the next save replace the good previous copy.
+            raise StateFileError(self.path, "has no 'instances' list")
+        entries = doc["instances"]
         if not isinstance(entries, list):
             raise StateFileError(self.path, f"'instances' must be a list, found {_kind(entries)}")
         result = LoadResult()

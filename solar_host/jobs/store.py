@@ -24,8 +24,8 @@ from solar_host.statefiles import (
     PRIVATE,
     StateFileError,
     atomic_write_bytes,
-    decode_text,
     last_good_path,
+    parse_json,
     read_state_bytes,
     sweep_temp_files,
     tighten_mode,
@@ -147,11 +147,9 @@ class JobStore:
 
 def parse_store(path: Path, data: bytes) -> dict[str, Any]:
     """The store document; raises StateFileError when it cannot be used."""
-    try:
-        raw = json.loads(decode_text(path, data))
-    except ValueError as err:
-        raise StateFileError(path, f"not valid JSON ({err})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("jobs", []), list):
+    raw = parse_json(path, data)
+    # A document without the list is damage (every save writes it), not "no jobs".
+    if not isinstance(raw, dict) or not isinstance(raw.get("jobs"), list):
         raise StateFileError(path, "expected an object with a 'jobs' list")
     return raw
 

@@ -20,8 +20,8 @@ from solar_host.statefiles import (
     GroupCommit,
     StateFileError,
     atomic_write_bytes,
-    decode_text,
     last_good_path,
+    parse_json,
     read_state_bytes,
     sweep_temp_files,
     tighten_mode,
@@ -71,10 +71,7 @@ def _parse(item: Any) -> Reservation:
 
 def parse_reservations(path: Path, raw: bytes) -> list[Reservation]:
     """Every reservation in the file's bytes; raises StateFileError when it cannot be used."""
-    try:
-        doc = json.loads(decode_text(path, raw))
-    except ValueError as err:
-        raise StateFileError(path, f"not valid JSON ({err})") from None
+    doc = parse_json(path, raw)
     items = doc.get("reservations") if isinstance(doc, dict) else None
     if not isinstance(items, list):
         raise StateFileError(path, "expected an object with a 'reservations' list")
