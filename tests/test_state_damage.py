@@ -206,6 +206,44 @@ def test_one_entry_that_no_longer_validates_is_quarantined(tmp_path: Path) -> No
         assert adopted_keep["pid"] == keep_pid
 
 
+@pytest.mark.parametrize("damage", ["pid null", "pid not an integer", "no process record"])
+def test_a_quarantined_entry_keeps_its_backend_whatever_its_record_lost(
+    tmp_path: Path, damage: str
+) -> None:
+    """The entry's backend carries the entry's id in its marker: the boot sweep leaves it
+    alone even when the entry no longer says which pid it had (it was killed before)."""
+    with HostProc(tmp_path) as h:
+        h.start()
+        odd, odd_pid = running(h, "odd")
+        written(h, odd_pid)
+        other, other_pid = running(h, "other")
+        h.kill()
+        os.kill(other_pid, 9)  # the boot restarts it: once running, the sweep is over
+        cfg = tmp_path / "config.json"
+        doc = json.loads(cfg.read_text())
+        [entry] = [e for e in doc["instances"] if e["instance"]["id"] == odd]
+        if damage == "pid null":
+            entry["process"]["pid"] = None
+        elif damage == "pid not an integer":
+            entry["process"]["pid"] = odd_pid + 0.5
+        else:
+            entry["process"] = None
+            entry["instance"]["config"]["backend_type"] = "llamacpp-retired"
+        cfg.write_bytes(to_json(doc, indent=2))
+        h.start()
+        deadline = time.monotonic() + 60
+        with h.client() as c:
+            while True:
+                inst = c.get(f"/instances/{other}").json()
+                if inst["status"] == "running" and inst["pid"] not in (None, other_pid):
+                    break
+                assert time.monotonic() < deadline, inst
+                time.sleep(0.1)
+            assert odd in [q["id"] for q in c.get("/instances/quarantined").json()]
+        assert alive(odd_pid), h.log()[-2000:]
+        assert f"unmanaged backend pid {odd_pid}" not in h.log()
+
+
 def test_operator_deletes_a_quarantined_entry(tmp_path: Path) -> None:
     with HostProc(tmp_path) as h:
         h.start()

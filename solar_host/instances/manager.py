@@ -204,10 +204,12 @@ class InstanceManager:
         """
         ours = await asyncio.to_thread(ownership.ours_running, self.host_id)
         strays: list[ownership.Identity] = []
-        # Quarantined config.json entries keep their backends (and those backends' workers).
+        # Quarantined config.json entries keep their backends (and those backends' workers),
+        # known by the entry's id in their marker, or by its recorded pid.
         protected = self.protected_pids()
+        protected_ids = self.store.protected_ids()
         for iid, idents in ours.items():
-            if any(ident.pid in protected for ident in idents):
+            if iid in protected_ids or any(ident.pid in protected for ident in idents):
                 continue
             sup = self.supervisors.get(iid)
             if sup is not None and sup.start_task is not None and not sup.start_task.done():

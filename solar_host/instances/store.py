@@ -266,6 +266,11 @@ class InstanceStore:
         """Recorded backend pids of quarantined entries: no sweep may stop them."""
         return {q.pid for q in self.quarantined if q.pid is not None}
 
+    def protected_ids(self) -> set[str]:
+        """Instance ids of quarantined entries: every process carrying their marker is theirs
+        (found so even when the entry's recorded pid is missing or unreadable)."""
+        return {q.id for q in self.quarantined if q.id}
+
     def protected_ports(self) -> set[int]:
         """Recorded ports of quarantined entries: their backends may still listen there."""
         return {q.port for q in self.quarantined if q.port is not None}
