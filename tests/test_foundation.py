@@ -402,8 +402,9 @@ def small_fs(tmp_path: Path):
 async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
     tmp_path: Path, small_fs: Path
 ) -> None:
-    """config.json on a full filesystem: create/update/delete answer 507 and change nothing;
-    reads, health and starts keep working."""
+    """config.json on a full filesystem: create/update/delete answer 507 and change nothing,
+    and so does a stop (the next boot would start the instance again); reads, health and starts
+    keep working."""
     small = small_fs
     s = host_settings(tmp_path, config_file=small / "config.json")
     async with running_host(s, backends=reg()) as h:
@@ -430,7 +431,11 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
         assert [i["config"]["alias"] for i in insts] == ["a"]
         assert (await h.client.get("/health")).status_code == 200
         assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
-        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+        # A stop the next boot would undo is refused, and the backend keeps serving.
+        r = await h.client.post(f"/instances/{iid}/stop")
+        assert r.status_code == 507 and "No space left" in r.json()["detail"], r.text
+        assert (await h.client.get(f"/instances/{iid}")).json()["status"] == "running"
         (small / "filler").unlink()
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
         assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
     assert json.loads((small / "config.json").read_text())["instances"] == []

@@ -27,7 +27,12 @@ from solar_host.instances.backend_env import (
     parse_passthrough,
     write_private_files,
 )
-from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
+from solar_host.instances.errors import (
+    InstanceConflict,
+    InstanceNotFound,
+    NotPersisted,
+    StartFailed,
+)
 from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
 from solar_host.instances.states import InstanceStatus, check_transition
@@ -594,8 +599,16 @@ class Supervisor:
         """Stop the backend (idempotent). `forget_intent=False` is a host shutdown: the
         instance is remembered as wanted, so the next boot starts it again."""
         async with self.lock:
-            if forget_intent:
+            if forget_intent and self.stored.want_running:
+                # What is wanted is on disk before anything is stopped: a stop the next boot
+                # would undo (it starts what config.json says is wanted) is refused, with 507,
+                # and the backend keeps serving.
                 self.stored.want_running = False
+                try:
+                    await self.m.persist_or_raise()
+                except NotPersisted:
+                    self.stored.want_running = True
+                    raise
             self._cancel(self.restart_task)
             self.restart_task = None
             task = self.start_task
