@@ -432,6 +432,33 @@ async def test_insufficient_disk_is_507(dockerd: DockerDaemon, tmp_path: Path) -
     assert done["status"] == "failed" and "insufficient disk" in done["error_message"]
 
 
+async def test_a_job_the_store_cannot_record_is_507_and_leaves_nothing(
+    dockerd: DockerDaemon, tmp_path: Path
+) -> None:
+    """A 202 promises a job that survives a restart: when the job store cannot be written the
+    submit is refused, its workspace removed and nothing started (it was a 202 and a job
+    that a restart forgot)."""
+    from solar_host.jobs.store import STORE_FILE
+
+    host = Host(make_settings(tmp_path), Probe())
+    async with running(host) as client:
+        store = tmp_path / "jobs" / STORE_FILE
+        store.unlink(missing_ok=True)
+        (store / "blocker").mkdir(parents=True)  # a directory in its place: renames fail
+        r = await client.post("/jobs", json=job_body("lost-1", sh("s", dockerd.image, "true")))
+        assert r.status_code == 507, r.text
+        assert r.json()["detail"]["error"] == "not_persisted"
+        assert (await client.get("/jobs/lost-1")).status_code == 404
+        assert not (tmp_path / "jobs" / "lost-1").exists()
+        assert host.names("lost-1") == []  # never started
+        (store / "blocker").rmdir()
+        store.rmdir()
+        r = await client.post("/jobs", json=job_body("lost-1", sh("s", dockerd.image, "true")))
+        assert r.status_code == 202, r.text
+        assert (await wait_for(client, "lost-1", finished))["status"] == "completed"
+    assert "lost-1" in store.read_text()
+
+
 async def test_no_daemon_is_503_and_a_later_daemon_is_picked_up(
     docker_daemon: DockerDaemon,  # noqa: F811
     tmp_path: Path,

@@ -26,6 +26,7 @@ from solar_host.jobs.service import (
     JobExists,
     JobFinished,
     JobNotFound,
+    JobNotPersisted,
     JobService,
 )
 from solar_host.jobs.workspace import InsufficientDiskError, WorkspaceError
@@ -135,6 +136,8 @@ async def submit_job(request: Request) -> Any:
                 "available_gb": err.available_gb,
             },
         ) from None
+    except JobNotPersisted as err:
+        raise HTTPException(507, {"error": "not_persisted", "message": str(err)}) from None
     except WorkspaceError as err:
         raise HTTPException(500, {"error": "workspace_create_failed", "reason": str(err)}) from None
     body = JobSubmitted(

@@ -73,6 +73,10 @@ class JobFinished(JobError):
         self.status = status
 
 
+class JobNotPersisted(JobError):
+    """The job store could not record the job (507): nothing was started."""
+
+
 class GpuUnavailable(JobError):
     def __init__(self, detail: dict[str, Any]) -> None:
         super().__init__(detail["message"])
@@ -298,8 +302,8 @@ class JobService:
         """Validate against this host, create the workspace, start the job task.
 
         Raises GpuUnavailable (400), DockerUnavailable (503), JobExists (409),
-        InsufficientDiskError (507), WorkspaceError (500); nothing is written before the
-        checks pass.
+        InsufficientDiskError (507), JobNotPersisted (507), WorkspaceError (500); nothing is
+        written before the checks pass, and nothing is left when the job cannot be recorded.
         """
         gpus = await asyncio.to_thread(self.probe.gpus) if any(s.gpu for s in job.steps) else []
         validate_gpus(job, gpus)
@@ -336,7 +340,12 @@ class JobService:
                 correlation_id=job.correlation_id,
                 definition=job,
             )
-            self.store.add(state)
+            try:
+                self.store.add(state)
+            except OSError as err:  # nothing started: the workspace goes, the caller hears
+                await asyncio.to_thread(delete_workspace, str(path))
+                reason = err.strerror or str(err)
+                raise JobNotPersisted(f"Cannot write the job store: {reason}") from None
         finally:
             self._submitting.discard(job_id)
         run = JobRun(job_id=job_id)

@@ -59,10 +59,16 @@ class JobStore:
     # --- writes ------------------------------------------------------------------------------
 
     def add(self, job: JobState) -> None:
+        """Record a new job; raises OSError (and records nothing) when the store cannot be
+        written: a job the caller was told about must survive a restart."""
         if job.job_id in self._jobs:
             raise KeyError(f"Job '{job.job_id}' already exists")
         self._jobs[job.job_id] = job
-        self._save()
+        try:
+            self._save(strict=True)
+        except OSError:
+            del self._jobs[job.job_id]
+            raise
 
     def update(self, job_id: str, **fields: Any) -> JobState:
         job = self._jobs[job_id]
@@ -126,7 +132,9 @@ class JobStore:
         if interrupted:
             self._save()
 
-    def _save(self) -> None:
+    def _save(self, strict: bool = False) -> None:
+        """Write the store. A failure raises with `strict`; otherwise it is logged and the
+        in-memory state stays authoritative (the next change retries the write)."""
         if self.path is None:
             return
         jobs = [j.model_dump(mode="json") for j in self._jobs.values()]
@@ -141,7 +149,8 @@ class JobStore:
             )
             self._loaded_from_disk = True
         except OSError as err:
-            # The in-memory state stays authoritative; the next change retries the write.
+            if strict:
+                raise
             log.error("cannot write the job store %s: %s", self.path, err)
 
 
