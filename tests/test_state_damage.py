@@ -244,6 +244,38 @@ def test_a_quarantined_entry_keeps_its_backend_whatever_its_record_lost(
         assert f"unmanaged backend pid {odd_pid}" not in h.log()
 
 
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "NULs", "another id"])
+def test_a_damaged_host_id_is_taken_back_from_the_records_or_refused(
+    tmp_path: Path, damage: str
+) -> None:
+    """The host id is in every backend's marker: lost, the host made a new one and left its
+    backends running as strangers beside second copies it spawned (review of the state
+    files). Now a missing or damaged file is rewritten from config.json's markers, and a
+    valid file naming another id is refused."""
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        written(h, pid)
+        h.kill()
+        hid = tmp_path / "config.json.host-id"
+        old = hid.read_text()
+        if damage == "deleted":
+            hid.unlink()
+        elif damage == "emptied":
+            hid.write_bytes(b"")
+        elif damage == "NULs":
+            hid.write_bytes(b"\0" * 33)
+        else:
+            hid.write_text("0" * 32 + "\n")
+            line = refused(h, hid)
+            assert old.strip() in line, line
+            assert hid.read_text() == "0" * 32 + "\n" and alive(pid)
+            hid.write_text(old)  # what the message says to do
+        adopted(h, iid, pid)
+        assert hid.read_text() == old
+        assert [p.pid for p in h.backends()] == [pid]  # no second copy
+
+
 def test_operator_deletes_a_quarantined_entry(tmp_path: Path) -> None:
     with HostProc(tmp_path) as h:
         h.start()

@@ -106,16 +106,28 @@ class InstanceManager:
         """Read config.json before any service starts: a file that cannot be parsed stops the
         host (StateFileError) before anything is written or any process touched."""
         self._loaded = await asyncio.to_thread(self.store.load)
+        self.host_id = await asyncio.to_thread(self._load_host_id, self._loaded)
+
+    def _load_host_id(self, loaded: Any) -> str:
+        """The host id, checked against the markers config.json recorded (load_host_id)."""
+        markers = [r.process.marker for r in loaded.records if r.process is not None]
+        markers += [
+            q.entry.get("process", {}).get("marker")
+            for q in self.store.quarantined
+            if isinstance(q.entry, dict) and isinstance(q.entry.get("process"), dict)
+        ]
+        recorded = ownership.recorded_host_ids(m for m in markers if isinstance(m, str))
+        return ownership.load_host_id(self.settings.config_file, recorded)
 
     async def startup(self) -> None:
         """Service start: load records, re-adopt or boot-start backends (in the background)."""
         result, self._loaded = self._loaded, None
         if result is None:
             result = await asyncio.to_thread(self.store.load)
+            self.host_id = await asyncio.to_thread(self._load_host_id, result)
         private_dir(self.settings.log_dir, 0o750)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
         self.inotify = InotifyHub()
-        self.host_id = await asyncio.to_thread(ownership.load_host_id, self.settings.config_file)
         # Off the start-up path (it looks for executables and Python packages).
         self._facts_task = asyncio.create_task(asyncio.to_thread(self.log_backends))
         if result.roles:

@@ -25,16 +25,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
+import re
 import secrets
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from solar_host.instances import sockdiag
+from solar_host.statefiles import StateFileError
 
 MARKER_VAR = "SOLAR_HOST_MARKER"
 # The API port the host gave the backend, beside the marker: a backend whose spawn the host did
@@ -48,6 +51,7 @@ KEY_VAR = "SOLAR_HOST_KEY_HASH"
 # while it loads); one with the record's own nonce descends from the recorded backend (a worker
 # outliving it), which is adopted only if it listens.
 SPAWN_VAR = "SOLAR_HOST_SPAWN_ID"
+log = logging.getLogger(__name__)
 _HEX = b"0123456789abcdef"  # key_fingerprint's alphabet
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 T = TypeVar("T")
@@ -119,22 +123,65 @@ def host_id_path(config_file: Path) -> Path:
     return config_file.with_name(config_file.name + ".host-id")
 
 
-def load_host_id(config_file: Path) -> str:
+_HOST_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def load_host_id(config_file: Path, recorded: Collection[str] = ()) -> str:
     """This state directory's host id, created (mode 0600) the first time it is asked for.
+
+    `recorded`: the host ids in the markers of config.json's process records. They are what
+    the running backends carry, so they win over a file that is missing or damaged (the id is
+    written back from them); a valid file that names another id is refused (StateFileError):
+    under a new id every recorded backend would be a stranger, left running beside a second
+    copy of itself.
 
     Created under a temp name and hard-linked into place, so two hosts racing on a fresh
     directory agree on one id and a crash never leaves an empty file.
     """
     path = host_id_path(config_file)
-    with contextlib.suppress(OSError):
-        text = path.read_text().strip()
-        if text:
-            return text
+    try:
+        text = path.read_bytes().decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        text = None
+    except OSError as err:
+        raise StateFileError(path, f"cannot be read ({err.strerror or err})") from None
+    ids = set(recorded)
+    if text is not None and _HOST_ID.fullmatch(text):
+        if ids and text not in ids:
+            raise StateFileError(
+                path,
+                f"holds host id {text}, but config.json's backends were spawned under "
+                f"{', '.join(sorted(ids))}: put that id back in the file",
+            )
+        return text
+    if len(ids) > 1:
+        raise StateFileError(
+            path,
+            f"is {'missing' if text is None else 'damaged'} and config.json's backends carry "
+            f"several host ids ({', '.join(sorted(ids))}): write the right one to the file",
+        )
+    if text is not None:
+        log.warning(
+            "%s is damaged (%r); %s",
+            path,
+            text[:40],
+            "its id is taken back from config.json"
+            if ids
+            else "no backend is recorded under it: a new id is made",
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()
+    elif ids:
+        log.warning("%s is missing; its id is taken back from config.json", path)
+    return _create_host_id(path, next(iter(ids)) if ids else uuid.uuid4().hex)
+
+
+def _create_host_id(path: Path, host_id: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, (uuid.uuid4().hex + "\n").encode())
+        os.write(fd, (host_id + "\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -145,6 +192,17 @@ def load_host_id(config_file: Path) -> str:
     finally:
         os.unlink(tmp)
     return path.read_text().strip()
+
+
+def recorded_host_ids(markers: Iterable[str | None]) -> set[str]:
+    """The host ids in recorded markers (`<host id>:<instance id>`)."""
+    out = set()
+    for m in markers:
+        if m and ":" in m:
+            head = m.split(":", 1)[0]
+            if _HOST_ID.fullmatch(head):
+                out.add(head)
+    return out
 
 
 def marker(host_id: str, instance_id: str) -> str:
