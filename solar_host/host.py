@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from solar_host.events import EventBus
@@ -94,12 +96,18 @@ class Host:
         """Claim this host's directories before anything else happens (idempotent).
 
         Runs before any file is read or written and before any process is looked at: a second
-        host on the same CONFIG_FILE or LOG_DIR directory stops here, touching nothing.
+        host on the same CONFIG_FILE (or a link to it), LOG_DIR or JOBS_DIR directory stops
+        here, touching nothing.
         `serve()` calls it before the server starts, so that refusal is one line on stderr.
         """
         if self.state_lock is None:
+            config = self.settings.config_file
             self.state_lock = StateLock.for_dirs(
-                self.settings.config_file.parent, self.settings.log_dir
+                config.parent,
+                # A CONFIG_FILE that is a link to another host's: that host's directory too.
+                Path(os.path.realpath(config)).parent,
+                self.settings.log_dir,
+                self.settings.jobs_dir,  # its store and workspaces are as much the host's
             )
         try:
             self.state_lock.acquire()

@@ -116,7 +116,7 @@ def test_all_or_none_of_the_locks(tmp_path: Path) -> None:
         held.release()
 
 
-@pytest.mark.parametrize("shared", ["state", "logs"])
+@pytest.mark.parametrize("shared", ["state", "logs", "jobs", "linked config"])
 def test_second_host_on_a_shared_directory_exits_1_and_touches_nothing(
     tmp_path: Path, shared: str
 ) -> None:
@@ -133,6 +133,21 @@ def test_second_host_on_a_shared_directory_exits_1_and_touches_nothing(
             env["MODELS_DIR"] = str(other / "models")
             env["JOBS_DIR"] = str(other / "jobs")
             directory = h.tmp / "logs"
+        elif shared in ("jobs", "linked config"):
+            # A host of its own directories but one: the jobs store and workspaces, or a
+            # config.json that is a link to the first host's.
+            other = tmp_path / "b"
+            other.mkdir()
+            env["CONFIG_FILE"] = str(other / "config.json")
+            env["MODELS_DIR"] = str(other / "models")
+            env["LOG_DIR"] = str(other / "logs")
+            env["JOBS_DIR"] = str(other / "jobs")
+            if shared == "jobs":
+                env["JOBS_DIR"] = str(h.tmp / "jobs")
+                directory = h.tmp / "jobs"
+            else:
+                (other / "config.json").symlink_to(h.tmp / "config.json")
+                directory = h.tmp
         else:
             directory = h.tmp
         p = run_second_host(env)
@@ -146,8 +161,10 @@ def test_second_host_on_a_shared_directory_exits_1_and_touches_nothing(
         with h.client() as c:
             inst = c.get(f"/instances/{iid}").json()
         assert inst["status"] == "running" and inst["pid"] == pid
-        if shared == "logs":
+        if shared in ("logs", "jobs"):
             assert not (tmp_path / "b" / "config.json").exists()
+        if shared == "linked config":
+            assert (tmp_path / "b" / "config.json").is_symlink()
 
 
 def test_lock_of_a_killed_host_is_free_for_the_next(tmp_path: Path) -> None:
