@@ -276,6 +276,35 @@ def test_a_damaged_host_id_is_taken_back_from_the_records_or_refused(
         assert [p.pid for p in h.backends()] == [pid]  # no second copy
 
 
+@pytest.mark.parametrize("port", ["70000", "0", "the next one"])
+def test_a_wrong_port_in_a_process_record_is_corrected_not_fatal(tmp_path: Path, port: str) -> None:
+    """A record naming another port made the serving backend look like one still loading: it
+    was ended at its start deadline and the instance failed (review of the state files). The
+    port the backend was spawned with is in its environment, and wins."""
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        written(h, pid)
+        with h.client() as c:
+            real_port = c.get(f"/instances/{iid}").json()["port"]
+        h.kill()
+        cfg = tmp_path / "config.json"
+        doc = json.loads(cfg.read_text())
+        rec = doc["instances"][0]["process"]
+        rec["port"] = real_port + 1 if port == "the next one" else int(port)
+        rec["spawned_at"] = "2020-01-01T00:00:00+00:00"  # its start deadline long past
+        cfg.write_bytes(to_json(doc, indent=2))
+        adopted(h, iid, pid)
+        with h.client() as c:
+            inst = c.get(f"/instances/{iid}").json()
+        assert inst["port"] == real_port, inst
+        assert "the record is corrected" in h.log()
+        deadline = time.monotonic() + 60  # saved with the right port
+        while json.loads(cfg.read_text())["instances"][0]["process"]["port"] != real_port:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def test_operator_deletes_a_quarantined_entry(tmp_path: Path) -> None:
     with HostProc(tmp_path) as h:
         h.start()

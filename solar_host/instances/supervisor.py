@@ -715,6 +715,27 @@ class Supervisor:
             return True
         return None not in (rec.spawn_id, given.spawn_id) and rec.spawn_id != given.spawn_id
 
+    def _port_as_spawned(self, proc: procs.BackendProcess, rec: ProcessRecord) -> ProcessRecord:
+        """The record with the API port the recorded backend was spawned with (PORT_VAR in its
+        environment), where the record says another: a damaged record must not make a
+        serving backend look like one still loading, to be killed at its deadline. Blocking."""
+        given = ownership.spawn_facts(proc.pid)
+        if given.port is None or given.port == rec.port:
+            return rec
+        if None not in (given.spawn_id, rec.spawn_id) and given.spawn_id != rec.spawn_id:
+            return rec  # not the spawn this record describes
+        log.warning(
+            "process record of %s says port %s, but its backend pid %s was spawned with port "
+            "%s: the record is corrected",
+            self.id,
+            rec.port,
+            proc.pid,
+            given.port,
+        )
+        rec = rec.model_copy(update={"port": given.port})
+        self.stored.process = rec
+        return rec
+
     def unrecorded_process(
         self, carrying: list[ownership.Identity], listening: dict[int, set[int]] | None
     ) -> tuple[procs.BackendProcess, ProcessRecord] | None:
@@ -797,6 +818,8 @@ class Supervisor:
             proc, why = await asyncio.to_thread(self.recorded_process)
             if proc is None:
                 log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
+            else:
+                rec = await asyncio.to_thread(self._port_as_spawned, proc, rec)
         inst = self.instance
         carrying = (ours or {}).get(self.id)
         if proc is None and self.stored.want_running and carrying:
