@@ -196,6 +196,26 @@ def test_store_refuses_a_corrupt_file_and_keeps_it(tmp_path: Path) -> None:
         assert path.read_bytes() == damaged
 
 
+def test_store_keeps_a_second_entry_of_a_job_and_keys_it_does_not_know(tmp_path: Path) -> None:
+    """Both used to vanish at the next save without a word (review of the state files)."""
+    path = tmp_path / "jobs_store.json"
+    first = JobState(job_id="j", name="first", status=JobStatus.completed)
+    second = JobState(job_id="j", name="second", status=JobStatus.completed)
+    doc = {
+        "version": 1,
+        "written_by": "a newer release",
+        "jobs": [first.model_dump(mode="json"), second.model_dump(mode="json")],
+    }
+    path.write_text(json.dumps(doc))
+    store = JobStore(path)
+    store.load()
+    assert [j.name for j in store.all()] == ["first"]
+    store.add(JobState(job_id="k", name="k", status=JobStatus.completed))
+    saved = json.loads(path.read_text())
+    assert saved["written_by"] == "a newer release"
+    assert [j["name"] for j in saved["jobs"]] == ["first", "k", "second"]
+
+
 def test_store_keeps_an_entry_that_no_longer_validates(tmp_path: Path) -> None:
     path = tmp_path / "jobs_store.json"
     odd = {"job_id": "odd", "name": "n", "status": "from-a-newer-host"}

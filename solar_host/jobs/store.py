@@ -43,6 +43,8 @@ class JobStore:
         self._jobs: dict[str, JobState] = {}
         # Entries that no longer validate, verbatim: written back by every save.
         self.unreadable: list[Any] = []
+        # Top-level keys of the file this release does not know: written back as they were.
+        self.extra: dict[str, Any] = {}
         self._loaded_from_disk = False
 
     # --- reads -------------------------------------------------------------------------------
@@ -109,7 +111,8 @@ class JobStore:
         tighten_mode(self.path)
         tighten_mode(last_good_path(self.path))
         interrupted = []
-        for item in raw.get("jobs", []):
+        self.extra = {k: v for k, v in raw.items() if k not in ("version", "jobs")}
+        for item in raw["jobs"]:
             try:
                 job = JobState.model_validate(item)
             except ValueError as err:
@@ -118,6 +121,14 @@ class JobStore:
                     "and not loaded: %s",
                     self.path,
                     str(err).replace("\n", " "),
+                )
+                self.unreadable.append(item)
+                continue
+            if job.job_id in self._jobs:
+                log.error(
+                    "job store %s: a second entry for job %s is kept unchanged and not loaded",
+                    self.path,
+                    job.job_id,
                 )
                 self.unreadable.append(item)
                 continue
@@ -138,7 +149,7 @@ class JobStore:
         if self.path is None:
             return
         jobs = [j.model_dump(mode="json") for j in self._jobs.values()]
-        data = {"version": 1, "jobs": jobs + self.unreadable}
+        data = {**self.extra, "version": 1, "jobs": jobs + self.unreadable}
         try:
             # 0600: step environments given by the caller may hold credentials.
             atomic_write_bytes(
