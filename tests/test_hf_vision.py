@@ -164,6 +164,10 @@ def test_image_limits_are_4xx(vlm) -> None:
     bomb = header_only_png(10_000, 10_000)
     err = assert_error(post(s, "/v1/chat/completions", chat(data_uri(bomb))), 413, "pixels")
     assert err["code"] == "image_too_large"
+    # Within the limit one by one, past it together: refused before either is decoded.
+    half = data_uri(header_only_png(5_000, 5_000))
+    err = assert_error(post(s, "/v1/chat/completions", chat(half, half)), 413, "in all")
+    assert err["code"] == "image_too_large"
     assert_error(
         post(s, "/v1/chat/completions", chat(data_uri(b"not an image at all"))), 400, "decoded"
     )
