@@ -60,6 +60,16 @@ def written(h: HostProc, pid: int) -> None:
         time.sleep(0.05)
 
 
+def recorded_then_killed(h: HostProc, alias: str = "keep") -> tuple[str, int]:
+    """Start the host and one running instance, wait until config.json (and its last good
+    copy) record the backend, then SIGKILL the host: (instance id, backend pid)."""
+    h.start()
+    iid, pid = running(h, alias)
+    written(h, pid)
+    h.kill()
+    return iid, pid
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -137,10 +147,7 @@ CONFIG_DAMAGE = ["cut in half", "emptied", "0xFF byte", "null", "instances not a
 @pytest.mark.parametrize("how", CONFIG_DAMAGE)
 def test_damaged_config_json_is_refused_and_nothing_is_touched(tmp_path: Path, how: str) -> None:
     with HostProc(tmp_path) as h:
-        h.start()
-        iid, pid = running(h, "keep")
-        written(h, pid)
-        h.kill()
+        iid, pid = recorded_then_killed(h)
         cfg = tmp_path / "config.json"
         good = cfg.read_bytes()
         damage(cfg, how)
@@ -253,10 +260,7 @@ def test_a_damaged_host_id_is_taken_back_from_the_records_or_refused(
     files). Now a missing or damaged file is rewritten from config.json's markers, and a
     valid file naming another id is refused."""
     with HostProc(tmp_path) as h:
-        h.start()
-        iid, pid = running(h, "keep")
-        written(h, pid)
-        h.kill()
+        iid, pid = recorded_then_killed(h)
         hid = tmp_path / "config.json.host-id"
         old = hid.read_text()
         if damage == "deleted":
