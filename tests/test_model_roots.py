@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -421,3 +422,68 @@ async def test_a_hub_shaped_model_id_never_loads_a_directory_beside_the_host(
         assert r.status_code >= 400, r.text  # not served from host-cwd/private-model
         inst = (await c.get(f"/instances/{iid}")).json()
         assert inst["status"] == "failed", inst
+
+
+def test_links_inside_a_model_directory_stay_inside_the_roots(tree: dict[str, Path]) -> None:
+    """The backend opens the files of the directory a config names: a link among them that
+    leads out of the roots is refused like the config naming the file itself."""
+    models, roots = tree["models"], [tree["models"], tree["disk2"]]
+    hf = models / "hf"
+    # An HF-cache layout: snapshot files are links into blobs/, inside the root: accepted.
+    blobs = models / "cache" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "abc123").write_text('{"model_type": "llama"}')
+    snap = models / "cache" / "snapshots" / "rev"
+    snap.mkdir(parents=True)
+    (snap / "config.json").symlink_to(blobs / "abc123")
+    (snap / "weights").symlink_to(tree["disk2"] / "hf2", target_is_directory=True)  # a root
+    for bt, field in (("huggingface_causal", "model_id"), ("sglang", "model_path")):
+        ok = {"backend_type": bt, "alias": "a", field: str(snap)}
+        check_config(parse_config(ok, models_dir=models, roots=roots), roots)
+    bad_links = {
+        "tokenizer.json": tree["outside"] / "shadow",  # a file out
+        "extra": tree["outside"] / "hfdir",  # a directory out
+    }
+    for name, target in bad_links.items():
+        (hf / name).symlink_to(target)
+        for bt, field in (("huggingface_causal", "model_id"), ("sglang", "model_path")):
+            cfg = {"backend_type": bt, "alias": "a", field: "hf"}
+            with pytest.raises(ValueError) as err:
+                parse_config(cfg, models_dir=models, roots=roots)
+            assert field in str(err.value) and f"'{name}'" in str(err.value), str(err.value)
+            assert "root:$6$" not in str(err.value)
+        (hf / name).unlink()
+    # Nested: a link into the root leads to a directory holding a link out.
+    (models / "inner").mkdir()
+    (models / "inner" / "vocab.txt").symlink_to(tree["outside"] / "shadow")
+    (hf / "sub").symlink_to(models / "inner", target_is_directory=True)
+    with pytest.raises(ValueError, match=r"vocab\.txt"):
+        parse_config(
+            {"backend_type": "huggingface_causal", "alias": "a", "model_id": "hf"},
+            models_dir=models,
+            roots=roots,
+        )
+    # A link loop inside the root leads nowhere else: the walk ends (the kernel stops it at
+    # its link depth, the check at MAX_DIR_ENTRIES) and the directory is accepted.
+    (hf / "sub").unlink()
+    (hf / "loop").symlink_to(hf, target_is_directory=True)
+    started = time.monotonic()
+    parse_config(
+        {"backend_type": "huggingface_causal", "alias": "a", "model_id": "hf"},
+        models_dir=models,
+        roots=roots,
+    )
+    assert time.monotonic() - started < 10
+
+
+def test_a_directory_too_big_to_be_a_model_is_refused_not_walked_for_ever(tmp_path: Path) -> None:
+    from solar_host.model_store.roots import MAX_DIR_ENTRIES
+
+    models = tmp_path / "models"
+    big = models / "big"
+    big.mkdir(parents=True)
+    for i in range(MAX_DIR_ENTRIES + 1):
+        (big / f"f{i}").touch()
+    cfg = {"backend_type": "sglang", "alias": "a", "model_path": "big"}
+    with pytest.raises(ValueError, match="not a model directory"):
+        parse_config(cfg, models_dir=models, roots=[models])

@@ -24,6 +24,8 @@ PATH_FIELDS = ("model", "mmproj", "spec_draft_model", "chat_template_file", "mod
 # Linux's limits (limits.h): longer names fail every system call with ENAMETOOLONG.
 PATH_MAX = 4096
 NAME_MAX = 255
+# Files and directories a model directory may hold before the check gives up on it.
+MAX_DIR_ENTRIES = 10_000
 # A HuggingFace Hub id (`org/name` or `name`): not a path, fetched from the Hub instead.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
@@ -203,14 +205,48 @@ def config_paths(config: Any, roots: Sequence[Path]) -> Iterator[tuple[str, str,
 
 
 def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
-    """Raise OutsideRoots for the first path of `config` outside `roots`.
+    """Raise OutsideRoots for the first path of `config` outside `roots`, or the first link
+    out of them inside a directory it names (confine_contents).
 
     Returns the real path of each checked field (the last value wins for repeated fields).
     """
     out: dict[str, Path] = {}
     for field, path, given in config_paths(config, roots):
-        out[field] = confine(path, roots, field, given)
+        real = confine(path, roots, field, given)
+        if real.is_dir():
+            confine_contents(real, roots, field, given)
+        out[field] = real
     return out
+
+
+def confine_contents(directory: Path, roots: Sequence[Path], field: str, given: str) -> None:
+    """Raise OutsideRoots for a link inside `directory` (at any depth) that resolves outside
+    the roots. A backend opens the files of the directory it is given (config.json, weights,
+    a chat template, a tokenizer), so a link among them takes it out of the roots as surely as
+    a config naming the file itself. Links into the roots are followed and their contents
+    judged too; the walk stops at MAX_DIR_ENTRIES (a link loop ends there)."""
+    seen = 0
+    for top, dirs, files in os.walk(directory, followlinks=True):
+        for name in dirs + files:
+            seen += 1
+            if seen > MAX_DIR_ENTRIES:
+                raise OutsideRoots(
+                    field,
+                    f"{field} '{given}' holds more than {MAX_DIR_ENTRIES} files and directories "
+                    "(or links that loop): not a model directory",
+                )
+            entry = os.path.join(top, name)
+            if not os.path.islink(entry):
+                continue
+            try:
+                confine(entry, roots, field)
+            except OutsideRoots:
+                inner = os.path.relpath(entry, directory)
+                raise OutsideRoots(
+                    field,
+                    f"{field} '{given}' holds '{inner}', a link that resolves outside of "
+                    f"MODELS_DIR and MODEL_ROOTS (allowed roots: {describe_roots(roots)})",
+                ) from None
 
 
 def anchor_relative(config: Any, models_dir: Path) -> None:
