@@ -211,9 +211,13 @@ def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
     Returns the real path of each checked field (the last value wins for repeated fields).
     """
     out: dict[str, Path] = {}
+    # llama.cpp opens files, never a directory as a whole: a directory in `model` stands for
+    # the GGUF files in it that `model_file` selects, each confined on its own (files.py).
+    # The other backends read whatever a model directory holds.
+    whole = getattr(config, "backend_type", None) != "llamacpp"
     for field, path, given in config_paths(config, roots):
         real = confine(path, roots, field, given)
-        if real.is_dir():
+        if whole and real.is_dir():
             confine_contents(real, roots, field, given)
         out[field] = real
     return out
