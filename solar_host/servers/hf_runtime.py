@@ -392,7 +392,10 @@ class CausalEngine:
                 param="messages",
             ) from None
 
-    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: str, chat: bool, releasing: bool = False) -> list[int]:
+        """The prompt's token ids, or a 400. `releasing`: through the tokenizer's own call,
+        which lets go of the GIL while it works (for a long prompt, in a worker thread: the
+        event loop goes on meanwhile); otherwise through PromptEncoder, which keeps it."""
         field = "messages" if chat else "prompt"
         if len(prompt) > self.max_prompt_chars:
             raise APIError(
@@ -403,7 +406,8 @@ class CausalEngine:
                 param=field,
             )
         # A chat template writes its own BOS; a raw completion prompt gets the tokenizer's.
-        ids = self.encode(prompt, add_special_tokens=not chat)
+        encode = self.encode.releasing if releasing else self.encode
+        ids = encode(prompt, add_special_tokens=not chat)
         if not ids:
             raise APIError(400, f"The {field} is empty: there is nothing to continue", param=field)
         if len(ids) >= self.limit:

@@ -74,6 +74,8 @@ CAPABILITIES = {
 }
 JSON = "application/json"
 MIN_BODY_LIMIT = 8 * 1024 * 1024
+# Prompts up to this many characters are tokenized on the event loop (a few ms at most).
+ON_LOOP_PROMPT_CHARS = 64 * 1024
 
 
 def log_line(text: str) -> None:
@@ -433,14 +435,22 @@ class HFServer:
             )
         else:
             prompt = self.engine.chat_prompt(text_messages(body))
-            inputs = self.engine.prompt_ids(prompt, chat=True)
+            inputs = await self._prompt_ids(prompt, chat=True)
         return await self._generate(inputs, params, rid, t0, "/v1/chat/completions", chat=True)
 
     async def completions(self, body: dict[str, Any], rid: str, t0: float) -> Response:
         self.require("causal", what="/v1/completions")
         params = parse_gen_params(body)
-        ids = self.engine.prompt_ids(parse_prompt(body), chat=False)
+        ids = await self._prompt_ids(parse_prompt(body), chat=False)
         return await self._generate(ids, params, rid, t0, "/v1/completions", chat=False)
+
+    async def _prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids on the event loop (microseconds, keeping the GIL: see prompt_encoder), but
+        for a long prompt in a worker thread, with the GIL let go: tokenizing megabytes takes
+        seconds, which every other stream of the server would otherwise wait out."""
+        if len(prompt) <= ON_LOOP_PROMPT_CHARS:
+            return self.engine.prompt_ids(prompt, chat)
+        return await asyncio.to_thread(self.engine.prompt_ids, prompt, chat, True)
 
     def _start(self, inputs: Any, params: Any, stream: bool, cancel: threading.Event) -> GenRun:
         """Start one generation: causal prompts join the decode scheduler's running batch; a

@@ -59,6 +59,11 @@ class PromptEncoder:
             return self._own(text, add_special_tokens)
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def releasing(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The same ids through the tokenizer's own call, which lets go of the GIL while the
+        Rust backend works: for a long prompt tokenized in a worker thread."""
+        return self._own(text, add_special_tokens)
+
     def _own(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
