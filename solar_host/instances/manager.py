@@ -111,12 +111,8 @@ class InstanceManager:
     def _load_host_id(self, loaded: Any) -> str:
         """The host id, checked against the markers config.json recorded (load_host_id)."""
         markers = [r.process.marker for r in loaded.records if r.process is not None]
-        markers += [
-            q.entry.get("process", {}).get("marker")
-            for q in self.store.quarantined
-            if isinstance(q.entry, dict) and isinstance(q.entry.get("process"), dict)
-        ]
-        recorded = ownership.recorded_host_ids(m for m in markers if isinstance(m, str))
+        markers += [q.marker for q in self.store.quarantined]
+        recorded = ownership.recorded_host_ids(markers)
         return ownership.load_host_id(self.settings.config_file, recorded)
 
     async def startup(self) -> None:

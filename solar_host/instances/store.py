@@ -123,6 +123,11 @@ class QuarantinedEntry:
         return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
 
     @property
+    def marker(self) -> str | None:
+        marker = (self.process or {}).get("marker")
+        return marker if isinstance(marker, str) else None
+
+    @property
     def port(self) -> int | None:
         port = (self.process or {}).get("port")
         return port if isinstance(port, int) and not isinstance(port, bool) else None

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
 from solar_host.servers.detokenizer import Detokenizer
 from solar_host.servers.hf_decode import GenResult
@@ -378,8 +379,6 @@ class CausalEngine:
         if not self.has_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
-        from jinja2 import TemplateError
-
         try:
             return self.tok.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
@@ -533,8 +532,6 @@ class VisionEngine(CausalEngine):
                 raise APIError(
                     400, f"Image {i} could not be decoded: {err}", param="messages"
                 ) from None
-        from jinja2 import TemplateError
-
         try:
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
             # The prompt is the processor's: the image placeholders are expanded to the tokens

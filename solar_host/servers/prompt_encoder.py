@@ -39,7 +39,7 @@ class PromptEncoder:
             backend.encode_special_tokens = split
             self.backend = backend
             sample = _sample(tokenizer)
-            same = all(self(sample, add) == self._own(sample, add) for add in (True, False))
+            same = all(self(sample, add) == self.releasing(sample, add) for add in (True, False))
         except Exception:  # a backend of another version or kind: its own call is safe
             same = False
         if not same:
@@ -56,15 +56,13 @@ class PromptEncoder:
         # since (a call with truncation=True leaves it so): then the tokenizer's own call, which
         # sets both for itself.
         if backend is None or backend.truncation is not None or backend.padding is not None:
-            return self._own(text, add_special_tokens)
+            return self.releasing(text, add_special_tokens)
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def releasing(self, text: str, add_special_tokens: bool) -> list[int]:
         """The same ids through the tokenizer's own call, which lets go of the GIL while the
-        Rust backend works: for a long prompt tokenized in a worker thread."""
-        return self._own(text, add_special_tokens)
-
-    def _own(self, text: str, add_special_tokens: bool) -> list[int]:
+        Rust backend works: for a long prompt tokenized in a worker thread, and wherever the
+        direct call cannot be trusted."""
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
