@@ -403,8 +403,8 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
     tmp_path: Path, small_fs: Path
 ) -> None:
     """config.json on a full filesystem: create/update/delete answer 507 and change nothing,
-    and so does a stop (the next boot would start the instance again); reads, health and starts
-    keep working."""
+    and so do a stop (the next boot would start the instance again) and a start (the next boot
+    would forget it); reads, health and the running backend keep working."""
     small = small_fs
     s = host_settings(tmp_path, config_file=small / "config.json")
     async with running_host(s, backends=reg()) as h:
@@ -413,6 +413,10 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
         model.write_bytes(b"x")
         cfg = {"alias": "a", "model": str(model)}
         iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
+        idle_cfg = {**cfg, "alias": "idle"}
+        idle = (await h.client.post("/instances", json={"config": idle_cfg})).json()
+        idle_id = idle["instance"]["id"]
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
         fd = os.open(small / "filler", os.O_WRONLY | os.O_CREAT)
         try:  # fill the filesystem to the last block
             while True:
@@ -423,14 +427,19 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
             os.close(fd)
         r = await h.client.post("/instances", json={"config": {**cfg, "alias": "b"}})
         assert r.status_code == 507 and "No space left" in r.json()["detail"]
-        r = await h.client.put(f"/instances/{iid}", json={"config": {**cfg, "alias": "c"}})
+        r = await h.client.put(f"/instances/{idle_id}", json={"config": {**cfg, "alias": "c"}})
         assert r.status_code == 507
-        r = await h.client.delete(f"/instances/{iid}")
+        r = await h.client.delete(f"/instances/{idle_id}")
         assert r.status_code == 507
         insts = (await h.client.get("/instances")).json()
-        assert [i["config"]["alias"] for i in insts] == ["a"]
+        assert sorted(i["config"]["alias"] for i in insts) == ["a", "idle"]
         assert (await h.client.get("/health")).status_code == 200
-        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200  # running
+        # A start the next boot would forget is refused, and nothing is spawned.
+        r = await h.client.post(f"/instances/{idle_id}/start")
+        assert r.status_code == 507 and "No space left" in r.json()["detail"], r.text
+        view = (await h.client.get(f"/instances/{idle_id}")).json()
+        assert view["status"] == "stopped" and view.get("pid") is None, view
         # A stop the next boot would undo is refused, and the backend keeps serving.
         r = await h.client.post(f"/instances/{iid}/stop")
         assert r.status_code == 507 and "No space left" in r.json()["detail"], r.text
@@ -438,4 +447,7 @@ async def test_disk_full_refuses_changes_cleanly_and_keeps_serving(
         (small / "filler").unlink()
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
         assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+        assert (await h.client.post(f"/instances/{idle_id}/start")).status_code == 200
+        assert (await h.client.post(f"/instances/{idle_id}/stop")).status_code == 200
+        assert (await h.client.delete(f"/instances/{idle_id}")).status_code == 200
     assert json.loads((small / "config.json").read_text())["instances"] == []

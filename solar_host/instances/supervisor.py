@@ -159,10 +159,19 @@ class Supervisor:
         token = instance_id_var.set(self.id)
         settings = self.m.settings
         deadline = time.monotonic() + settings.start_deadline_s
-        self.stored.want_running = True
         attempts = 1 + settings.max_retries
         last: AttemptFailed | None = None
         try:
+            if not self.stored.want_running:
+                # What is wanted is on disk before anything is spawned, as for a stop: a start
+                # the next boot would forget (and whose backend it would end as a stray) is
+                # refused with 507, and nothing runs.
+                self.stored.want_running = True
+                try:
+                    await self.m.persist_or_raise()
+                except NotPersisted:
+                    self.stored.want_running = False
+                    raise
             for attempt in range(attempts):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
