@@ -487,3 +487,48 @@ def test_a_directory_too_big_to_be_a_model_is_refused_not_walked_for_ever(tmp_pa
     cfg = {"backend_type": "sglang", "alias": "a", "model_path": "big"}
     with pytest.raises(ValueError, match="not a model directory"):
         parse_config(cfg, models_dir=models, roots=[models])
+
+
+@pytest.mark.parametrize("cache_var", ["HF_HUB_CACHE", "HF_HOME"])
+def test_a_hub_id_is_judged_by_its_cached_copy(
+    tree: dict[str, Path], monkeypatch: pytest.MonkeyPatch, cache_var: str
+) -> None:
+    """A Hub id is not a path, but the backend loads it from the HF cache, which preparation
+    jobs mount read-write: a link planted in its cached copy that leads out of the roots and
+    the cache is refused, at create and again at start (the same check)."""
+    models, roots = tree["models"], [tree["models"]]
+    home = tree["outside"].parent / "hf-home"
+    cache = home / "hub" if cache_var == "HF_HOME" else home
+    monkeypatch.setenv(cache_var, str(home))
+    for other in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        if other != cache_var:
+            monkeypatch.delenv(other, raising=False)
+    repo = cache / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc").write_text('{"model_type": "llama"}')
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").symlink_to(repo / "blobs" / "abc")  # the cache's own layout
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    cfg = {"backend_type": "huggingface_causal", "alias": "a", "model_id": "org/tiny"}
+    parse_config(cfg, models_dir=models, roots=roots)  # accepted
+    for planted, target in (
+        (snap / "tokenizer.json", tree["outside"] / "shadow"),
+        (repo / "refs" / "dev", tree["outside"] / "shadow"),
+    ):
+        planted.symlink_to(target)
+        with pytest.raises(ValueError) as err:
+            parse_config(cfg, models_dir=models, roots=roots)
+        message = str(err.value)
+        assert "model_id" in message and os.path.relpath(planted, repo) in message, message
+        assert "root:$6$" not in message
+        planted.unlink()
+    # The cached repository itself a link out of the cache.
+    shutil.rmtree(repo)
+    repo.symlink_to(tree["outside"] / "hfdir", target_is_directory=True)
+    with pytest.raises(ValueError, match="model_id"):
+        parse_config(cfg, models_dir=models, roots=roots)
+    # A Hub id with nothing cached is left to the backend (it fetches or fails offline).
+    repo.unlink()
+    parse_config(cfg, models_dir=models, roots=roots)

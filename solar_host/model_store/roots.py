@@ -191,9 +191,7 @@ def config_paths(config: Any, roots: Sequence[Path]) -> Iterator[tuple[str, str,
     # SGLang passes these through untyped: any value in them that is a path is one the
     # backend may open (--chat-template, --tokenizer-path, --lora-paths NAME=PATH, a cache
     # directory in HF_HOME, ...).
-    extra_env = {
-        k: v for k, v in (getattr(config, "extra_env", None) or {}).items() if isinstance(v, str)
-    }
+    extra_env = _str_values(getattr(config, "extra_env", None))
     env = {**os.environ, **extra_env}  # what the backend's `$NAME` and `~` expand to
     for value in getattr(config, "extra_args", None) or ():
         if isinstance(value, str):
@@ -206,7 +204,8 @@ def config_paths(config: Any, roots: Sequence[Path]) -> Iterator[tuple[str, str,
 
 def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
     """Raise OutsideRoots for the first path of `config` outside `roots`, or the first link
-    out of them inside a directory it names (confine_contents).
+    out of them inside a directory it names (confine_contents), or inside the cached copy of
+    the Hub repository it names (hub_cache_repo).
 
     Returns the real path of each checked field (the last value wins for repeated fields).
     """
@@ -220,7 +219,41 @@ def check_config(config: Any, roots: Sequence[Path]) -> dict[str, Path]:
         if whole and real.is_dir():
             confine_contents(real, roots, field, given)
         out[field] = real
+    model_id = getattr(config, "model_id", None)
+    if isinstance(model_id, str) and model_id and _is_hub_id(model_id, roots):
+        env = {**os.environ, **_str_values(getattr(config, "extra_env", None))}
+        for cache in hub_caches(env):
+            repo = cache / ("models--" + model_id.replace("/", "--"))
+            if os.path.lexists(repo):
+                # The backend loads a Hub id from this cache, which job containers may write
+                # (preparation steps mount it read-write): a link planted there is followed
+                # by a backend that runs outside any container. The cache counts as a root.
+                confine(str(repo), [*roots, cache], "model_id", model_id)
+                confine_contents(repo, [*roots, cache], "model_id", model_id)
     return out
+
+
+def hub_caches(env: Mapping[str, str]) -> list[Path]:
+    """Every HuggingFace Hub cache a backend started with `env` may read a Hub id from.
+    huggingface_hub takes the first of HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME/hub and
+    the XDG cache, transformers may still honour TRANSFORMERS_CACHE, and the backend's
+    environment is an allowlist of the host's: all of them are judged rather than guess which
+    one wins."""
+    caches = [
+        _expanded(env[name], env)
+        for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
+        if env.get(name)
+    ]
+    if env.get("HF_HOME"):
+        caches.append(os.path.join(_expanded(env["HF_HOME"], env), "hub"))
+    xdg = env.get("XDG_CACHE_HOME") or "~/.cache"
+    caches.append(os.path.join(_expanded(xdg, env), "huggingface", "hub"))
+    caches.append(os.path.join(_expanded("~/.cache", env), "huggingface", "hub"))
+    return list(dict.fromkeys(Path(c) for c in caches))
+
+
+def _str_values(mapping: Any) -> dict[str, str]:
+    return {k: v for k, v in (mapping or {}).items() if isinstance(v, str)}
 
 
 def confine_contents(directory: Path, roots: Sequence[Path], field: str, given: str) -> None:
