@@ -186,6 +186,27 @@ def check_gpu(probe: Any) -> Check:
     return Check("gpu", True, f"{kind} (no GPU: llama.cpp runs on the CPU)")
 
 
+def check_confinement(settings: Settings, abi: int | None = None) -> Check:
+    """Whether backends will be confined to reading the model roots (Landlock)."""
+    from solar_host.instances import confinement
+
+    mode = settings.backend_read_confinement
+    if mode == "off":
+        return Check("read confinement", True, "off (BACKEND_READ_CONFINEMENT=off)")
+    version = confinement.abi_version() if abi is None else abi
+    if version >= 1:
+        return Check(
+            "read confinement",
+            True,
+            f"Landlock ABI {version}: backends read only the model roots, caches and runtime",
+        )
+    detail = "this kernel has no Landlock"
+    fix = "Linux 5.13+ with landlock in its LSM list (lsm= boot parameter)"
+    if mode == "required":
+        return Check("read confinement", False, f"{detail}; backends will not start", fix)
+    return Check("read confinement", True, f"{detail}; backends start unconfined ({fix})")
+
+
 def check_docker(connect: Callable[[], Any] | None = None) -> Check:
     """Jobs run in Docker: the daemon must answer a ping."""
     try:
@@ -268,6 +289,7 @@ def diagnose(
         *check_directories(settings),
         check_disk(settings, probe),
         check_gpu(probe),
+        check_confinement(settings),
         check_docker(docker_connect),
         check_control(settings),
     ]

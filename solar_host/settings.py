@@ -154,6 +154,18 @@ class Settings(BaseModel):
         "(*_KEY, *_TOKEN, *_PASSWORD, *_SECRET, HF_TOKEN, HARBOR_*) passes only when listed "
         "by its exact name.",
     )
+    backend_read_confinement: Literal["auto", "required", "off"] = Field(
+        default="auto",
+        description="Kernel-enforced (Landlock) limit on what a backend may read: the model "
+        "roots, the HF caches, its runtime and the system's libraries, never other files such "
+        "as the host's state or /etc/shadow, whatever link leads there. auto: where the kernel "
+        "has Landlock; required: a backend that cannot be confined does not start; off.",
+    )
+    backend_read_paths: str = Field(
+        default="",
+        description="More directories backends may read under BACKEND_READ_CONFINEMENT "
+        "(comma-separated), for runtimes installed outside the usual places.",
+    )
     llama_server_bin: str = Field(
         default="llama-server",
         description="llama-server executable (a path or a name on PATH). Unset and not on "

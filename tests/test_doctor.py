@@ -36,7 +36,7 @@ async def test_all_checks_pass_exit_0(
         rc = await asyncio.to_thread(doctor.run, s, out=out, probe=FakeProbe(gpus=[(24, 1)]))
     text = out.getvalue()
     assert rc == 0, text
-    assert "11/11 checks passed" in text and "FAIL" not in text
+    assert "12/12 checks passed" in text and "FAIL" not in text
     assert "llamacpp" in text and "sglang" in text  # the table lists every backend type
     assert "Fake NVIDIA GPU" in text
 
@@ -134,3 +134,17 @@ async def test_port_check_knows_a_running_host_and_its_key(tmp_path: Path) -> No
         other.close()
     free = doctor.check_port(host_settings(tmp_path, port=free_port()), API_KEY)
     assert free.ok and "is free" in free.detail
+
+
+def test_read_confinement_check_follows_the_kernel_and_the_mode(tmp_path: Path) -> None:
+    auto = host_settings(tmp_path)
+    assert doctor.check_confinement(auto, abi=7).ok
+    assert "Landlock ABI 7" in doctor.check_confinement(auto, abi=7).detail
+    unconfined = doctor.check_confinement(auto, abi=0)
+    assert unconfined.ok and "unconfined" in unconfined.detail
+    required = doctor.check_confinement(
+        host_settings(tmp_path, backend_read_confinement="required"), abi=0
+    )
+    assert not required.ok and "5.13" in required.fix
+    off = doctor.check_confinement(host_settings(tmp_path, backend_read_confinement="off"), abi=7)
+    assert off.ok and "off" in off.detail

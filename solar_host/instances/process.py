@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from solar_host.instances import ownership
+from solar_host.instances import confinement, ownership
 from solar_host.instances.ownership import Identity
 
 log = logging.getLogger(__name__)
@@ -59,16 +59,24 @@ class BackendProcess:
 
 
 def spawn(
-    argv: list[str], env: Mapping[str, str], log_path: Path, cwd: Path | None = None
+    argv: list[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    cwd: Path | None = None,
+    reads: confinement.ReadPolicy | None = None,
+    confine: str = "off",
 ) -> BackendProcess:
     """Start `argv` in a new session with stdout+stderr appended to `log_path`, in the working
-    directory `cwd` (created if missing; None: the host's own).
+    directory `cwd` (created if missing; None: the host's own), able to read only what
+    `reads` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
 
-    Blocking (fork/exec, /proc reads): call it through asyncio.to_thread.
+    Blocking (fork/exec, /proc reads): call it through asyncio.to_thread. Raises
+    confinement.ConfinementUnavailable when `confine` is "required" and cannot be met.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if cwd is not None:
         cwd.mkdir(parents=True, exist_ok=True)
+    ruleset = confinement.ruleset_for(confine, reads) if reads is not None else None
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     try:
         popen = subprocess.Popen(
@@ -80,9 +88,14 @@ def spawn(
             start_new_session=True,
             close_fds=True,
             cwd=cwd,
+            preexec_fn=ruleset.restrictor() if ruleset is not None else None,
         )
+    except subprocess.SubprocessError as err:  # the restriction failed in the child
+        raise confinement.ConfinementUnavailable(f"cannot confine the backend: {err}") from None
     finally:
         os.close(fd)
+        if ruleset is not None:
+            ruleset.close()
     # Popen returns after exec; the start time never changes after that, whatever the backend
     # execs next, so the identity taken now is the one re-adoption will find.
     ticks = ownership.start_ticks(popen.pid)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import ownership, preflight
+from solar_host.instances import confinement, ownership, preflight
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -301,14 +301,33 @@ class Supervisor:
             # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
             # transformers tries as a directory first, an SGLang path) is then the file the
             # roots check judged, never one beside wherever the host was started (ruling 12).
+            reads = confinement.read_policy(
+                roots=settings.model_root_dirs,
+                argv=spec.argv,
+                env=env,
+                private_files=spec.private_files,
+                extra=[
+                    *(p.strip() for p in settings.backend_read_paths.split(",") if p.strip()),
+                    *(
+                        [settings.sglang_prompt_cache_dir]
+                        if settings.sglang_prompt_cache_dir
+                        else []
+                    ),
+                ],
+            )
             proc = await _off_loop(
                 procs.spawn,
                 spec.argv,
                 env,
                 log_path,
                 settings.models_dir,
+                reads,
+                settings.backend_read_confinement,
                 undo=_kill_unrecorded,
             )
+        except confinement.ConfinementUnavailable as err:
+            self.m.ports.release(port)
+            raise AttemptFailed(str(err), None, retryable=False) from None
         except OSError as err:
             self.m.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
