@@ -2,7 +2,7 @@
 
 For each damage (config.json cut in half, emptied, one 0xFF byte, `null`, a non-list
 `instances`, a directory in its place; an emptied or unreadable api_key; a damaged jobs or
-reservation store) the host refuses to start: exit 1, one line naming the file and its last good
+reservation store; a state file the host may not read, EACCES enforced by Landlock) the host refuses to start: exit 1, one line naming the file and its last good
 copy, the file's bytes unchanged, the backend still alive; once the file is repaired (its bytes
 put back, or `solar-host restore-state`) the backend is adopted (same pid). One entry that no
 longer validates is quarantined instead: kept verbatim, its backend left alone, the rest loaded.
@@ -24,6 +24,8 @@ import psutil
 import pytest
 from pydantic_core import to_json
 
+from solar_host.instances import confinement
+from solar_host.instances.confinement import ReadPolicy, Ruleset
 from tests.fixtures.host import API_KEY
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.script_backend import script_config
@@ -398,3 +400,55 @@ def test_state_files_are_private_and_loosened_ones_tightened(tmp_path: Path) -> 
         assert mode(tmp_path / "config.json") == 0o600
         assert mode(tmp_path / "logs") == 0o750
         assert "tightened the mode of" in h.log() and "config.json" in h.log()
+
+
+def _unreadable(path: Path) -> Ruleset:
+    """A Landlock ruleset under which everything reads as before except `path` and its hard
+    links (EACCES), as a file of mode 000 reads to a host that does not run as root: whatever
+    lies beside the chain of directories from / down to the file may be read."""
+    inode = path.stat().st_ino  # its hard links (the last good copy may be one) share a mode
+    trees: list[str] = []
+    for parent in path.parents:
+        on_chain = (
+            path
+            if parent == path.parent
+            else next(p for p in path.parents if p.parent == parent and p != parent)
+        )
+        trees += [
+            str(entry)
+            for entry in parent.iterdir()
+            # Links are left out: a rule is on what a link leads to (pytest-current leads to
+            # this very test's directory).
+            if entry != on_chain and not entry.is_symlink() and entry.lstat().st_ino != inode
+        ]
+    return Ruleset.build(ReadPolicy(tuple(trees), ()))
+
+
+@pytest.mark.skipif(confinement.abi_version() < 1, reason="this kernel has no Landlock")
+@pytest.mark.parametrize("name", ["config.json", "jobs/jobs_store.json", "reservations.json"])
+def test_an_unreadable_state_file_is_refused_not_replaced(tmp_path: Path, name: str) -> None:
+    """EACCES on a state file (a file of mode 000, a host that is not root): the host refuses
+    to start, naming the file, and writes nothing over it; readable again, it adopts."""
+    path = tmp_path / name
+    with HostProc(tmp_path) as h:
+        h.start()
+        iid, pid = running(h, "keep")
+        h.kill()
+        created = not path.exists()
+        if created:  # never written yet: its content is not read, so any will do
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"{}")
+        before = path.read_bytes()
+        ruleset = _unreadable(path)
+        h.preexec = ruleset.restrictor()
+        try:
+            line = refused(h, path)
+        finally:
+            ruleset.close()
+            h.preexec = None
+        assert "Permission denied" in line, line
+        assert path.read_bytes() == before
+        assert alive(pid)
+        if created:
+            path.unlink()
+        adopted(h, iid, pid)
