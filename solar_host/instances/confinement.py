@@ -166,6 +166,9 @@ def read_policy(
     # and where solar_host itself is installed (site-packages, or a source checkout).
     trees += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
     trees.append(str(Path(__file__).resolve().parents[2]))
+    # Its import path, which .pth files and --system-site-packages extend, less its first
+    # entry: the host's working directory or script directory, nothing a backend imports.
+    trees += [p for p in sys.path[1:] if p]
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
         trees += [p for p in env.get(name, "").split(os.pathsep) if p]
     trees += _program_trees(argv[0], env, home) if argv else []
