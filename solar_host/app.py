@@ -47,7 +47,46 @@ def create_api(host: Host, *, lifespan: Callable[[FastAPI], Any] | None = None) 
     for module in (system, estimates, instances, streams, docs, jobs, resources, models, metrics):
         app.include_router(module.router)
     install_openapi_security(app)
+    install_validation_handlers(app)
     return app
+
+
+def install_validation_handlers(app: FastAPI) -> None:
+    """FastAPI's own handlers, made safe for any input.
+
+    HTTP: the 422 echoes each bad `input`; a lone surrogate in it (JSON "\\ud800") cannot be
+    encoded, and the answer became a 500. WebSocket: a bad query parameter (`since_seq=abc`)
+    closed the handshake, which a client only sees as a bare HTTP 403, like a refused key;
+    now the socket is accepted and closed with 1008 and a reason naming the parameter.
+    """
+    from fastapi.encoders import jsonable_encoder
+    from fastapi.exceptions import RequestValidationError, WebSocketRequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.requests import Request
+    from starlette.websockets import WebSocket
+
+    from solar_host.textsafe import scrub
+
+    async def http_invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return JSONResponse(
+            status_code=422, content={"detail": scrub(jsonable_encoder(exc.errors()))}
+        )
+
+    async def ws_invalid(websocket: WebSocket, exc: Exception) -> None:
+        assert isinstance(exc, WebSocketRequestValidationError)
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("query", "path"))
+            parts.append(f"{loc}: {e.get('msg', 'invalid')}" if loc else str(e.get("msg")))
+        reason = scrub("; ".join(parts) or "invalid request")
+        # A close reason is at most 123 bytes.
+        reason = reason.encode()[:123].decode("utf-8", "ignore")
+        await websocket.accept()
+        await websocket.close(code=1008, reason=reason)
+
+    app.add_exception_handler(RequestValidationError, http_invalid)
+    app.add_exception_handler(WebSocketRequestValidationError, ws_invalid)
 
 
 def create_app(settings: Settings, *, host: Host | None = None, **overrides: Any) -> FastAPI:

@@ -80,6 +80,18 @@ class _ContextFilter(logging.Filter):
         return True
 
 
+# C0 controls but tab, DEL and C1 controls: a newline in a message would start a forged line, an
+# escape sequence would rewrite the operator's terminal. Messages carry what callers send
+# (config field names, ids, URIs).
+_CONTROLS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    if not _CONTROLS.search(text):
+        return text
+    return _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = datetime.fromtimestamp(record.created, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
@@ -88,7 +100,8 @@ class TextFormatter(logging.Formatter):
             ctx += f" instance={record.instance_id}"
         if getattr(record, "request_id", None):
             ctx += f" request={record.request_id}"
-        line = f"{ts} {record.levelname:<7} {record.name}{ctx}: {record.getMessage()}"
+        message = escape_controls(record.getMessage())
+        line = f"{ts} {record.levelname:<7} {record.name}{ctx}: {message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return redact(line)

@@ -58,6 +58,15 @@ class Settings(BaseModel):
     )
     host: str = Field(default="0.0.0.0", description="Address the REST API binds to.")
     port: int = Field(default=8001, ge=1, le=65535, description="Port of the REST API.")
+    http_header_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        le=3600,
+        description="Seconds a client has to send a request's headers (from connecting, or "
+        "from the first byte of the next request on a kept-alive connection) before the "
+        "connection is closed. Without it, clients that never finish their headers (no key "
+        "needed) could hold the host's descriptors until it accepts nothing.",
+    )
     config_file: Path = Field(
         default=Path("config.json"), description="Where instance records are kept."
     )

@@ -5,6 +5,7 @@ container's privileges, and fields the host does not implement, are a 422 naming
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,23 @@ async def test_step_logs_are_bounded(
     cut = [ln for ln in text.splitlines() if "xxxx" in ln]
     assert len(cut) == 1 and cut[0].endswith(" [line cut: longer than 16384 bytes]")
     assert text.endswith("LAST\n")
+
+
+async def test_a_lone_surrogate_in_a_job_is_a_400_naming_the_field(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """JSON's "\\ud800" decodes to text that is no Unicode: it was accepted, and the container
+    got something else than was sent (Docker's decoder makes it U+FFFD)."""
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        body = job_body("s-1", sh("a", dockerd.image, "echo hi", environment={"X": "@@"}))
+        raw = json.dumps(body).replace('"@@"', '"\\ud800"')
+        r = await client.post("/jobs", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "environment.X" in r.json()["detail"], r.text
+        assert (await client.get("/jobs/s-1")).status_code == 404
+        r = await client.post("/jobs", json=job_body("s-2", sh("a", dockerd.image, "echo ok")))
+        assert r.status_code in (200, 201, 202), r.text
+        body = await wait_for(client, "s-2", finished, within=60)
+        assert body["status"] == "completed", body

@@ -2,9 +2,10 @@
 
 For each damage (config.json cut in half, emptied, one 0xFF byte, `null`, a non-list
 `instances`, a directory in its place; an emptied or unreadable api_key; a damaged jobs or
-reservation store; a state file the host may not read, EACCES enforced by Landlock) the host refuses to start: exit 1, one line naming the file and its last good
-copy, the file's bytes unchanged, the backend still alive; once the file is repaired (its bytes
-put back, or `solar-host restore-state`) the backend is adopted (same pid). One entry that no
+reservation store; a state file the host may not read, EACCES enforced by Landlock) the host
+refuses to start: exit 1, one line naming the file and its last good copy, the file's bytes
+unchanged, the backend still alive; once the file is repaired (its bytes put back, or
+`solar-host restore-state`) the backend is adopted (same pid). One entry that no
 longer validates is quarantined instead: kept verbatim, its backend left alone, the rest loaded.
 """
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from solar_host.model_store.pull import PullError, PullRequest
 from solar_host.model_store.service import StoreError
+from solar_host.textsafe import scrub, unencodable
 
 router = APIRouter(tags=["models"])
 
@@ -74,9 +75,16 @@ async def pull_model(request: Request) -> Any:
     except (ValueError, RecursionError):  # deep nesting overflows the parser
         raw = None
     uri = raw.get("source_uri") if isinstance(raw, dict) else None
-    uri = uri if isinstance(uri, str) else ""
+    uri = scrub(uri) if isinstance(uri, str) else ""
     if not isinstance(raw, dict):
         err = PullError(422, "invalid_request", "request body must be a JSON object")
+        return JSONResponse(err.body(uri), status_code=422)
+    bad = unencodable(raw)
+    if bad is not None:
+        # A lone surrogate (JSON "\\ud800") cannot be echoed, logged or written to a manifest.
+        loc = ".".join(str(x) for x in bad) or "body"
+        detail = f"{loc}: must be valid Unicode text (a lone UTF-16 surrogate is not)"
+        err = PullError(422, "invalid_request", detail)
         return JSONResponse(err.body(uri), status_code=422)
     try:
         req = PullRequest.model_validate(raw)

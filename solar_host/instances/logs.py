@@ -430,8 +430,14 @@ def new_log_path(log_dir: Path, alias_safe: str, instance_id: str) -> Path:
 def files_of(log_dir: Path, instance_id: str) -> list[Path]:
     """Log files of an instance id, newest first."""
     pattern = f"*_{glob.escape(instance_id)}_*.log"
+    # The glob also matches another instance's file whose alias holds `_<id>_` (alias
+    # "team_b_chat" for id "b"): only `<alias>_<id>_<seconds>.log` is this id's.
+    suffix = f"_{instance_id}"
     found = []
     for p in log_dir.glob(pattern):
+        head, _, ts = p.name[:-4].rpartition("_")
+        if not ts.isdigit() or not head.endswith(suffix) or len(head) <= len(suffix):
+            continue
         try:
             found.append((p.stat().st_mtime, p))
         except OSError:

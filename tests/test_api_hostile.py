@@ -1,0 +1,245 @@
+"""A hostile client of the REST API, against a real host process.
+
+Each test runs against `solar-host serve`'s own path (tests/fixtures/hostproc.py: a host
+subprocess on a loopback port with the scripted backend) and fails on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.fixtures.hostproc import HostProc
+
+# The host's HTTP_HEADER_TIMEOUT_S here, and how long the test waits for it to close a
+# connection that never finishes its request headers.
+HEADER_TIMEOUT_S = 2
+HEADER_BOUND_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProc]:
+    tmp = tmp_path_factory.mktemp("review_api")
+    (tmp / "models").mkdir()
+    (tmp / "models" / "m.gguf").write_bytes(b"not a real gguf")
+    with HostProc(
+        tmp, env={"LOG_LEVEL": "INFO", "HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)}
+    ) as h:
+        h.start()
+        yield h
+
+
+def fresh(host: HostProc) -> httpx.Client:
+    """A client that never reuses a connection (a 500 may leave one half-closed)."""
+    return httpx.Client(
+        base_url=host.url,
+        headers={"X-API-Key": host.api_key, "content-type": "application/json"},
+        timeout=30,
+        limits=httpx.Limits(max_keepalive_connections=0),
+    )
+
+
+def config(**extra: Any) -> dict[str, Any]:
+    return {"backend_type": "llamacpp", "model": "m.gguf", "alias": "review", **extra}
+
+
+# --- 1. connections that never finish their headers ---------------------------------------------
+
+
+def _closed_within(sock: socket.socket, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.1, min(1.0, deadline - time.monotonic())))
+        try:
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
+def test_connections_that_never_send_headers_are_closed(host: HostProc) -> None:
+    """Anyone who can connect (no key needed) held a descriptor for ever by sending nothing,
+    or half a request line: enough of them and the host can accept nothing more."""
+    silent = socket.create_connection(("127.0.0.1", host.port), timeout=5)
+    half = socket.create_connection(("127.0.0.1", host.port), timeout=5)
+    try:
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        deadline = time.monotonic() + HEADER_BOUND_S
+        assert _closed_within(silent, deadline), "a silent connection was kept open"
+        assert _closed_within(half, deadline), "a half-sent request was kept open"
+        with fresh(host) as c:
+            assert c.get("/health").status_code == 200
+    finally:
+        silent.close()
+        half.close()
+
+
+# --- 2. lone surrogates: 500s and a poisoned config.json ---------------------------------------
+
+SURROGATE = "@lone-surrogate@"
+
+
+def with_surrogate(doc: Any) -> str:
+    """`doc` as JSON text, each SURROGATE string replaced by "\\ud800": a lone UTF-16
+    surrogate, which JSON allows and json.loads turns into a str that UTF-8 cannot encode."""
+    return json.dumps(doc).replace(f'"{SURROGATE}"', '"\\ud800"')
+
+
+SURROGATE_BODIES = [
+    ("POST", "/instances", with_surrogate({"config": SURROGATE}), "config"),
+    ("POST", "/instances", with_surrogate({"config": config(), "priority": SURROGATE}), "priority"),
+    (
+        "POST",
+        "/instances",
+        with_surrogate({"config": config(), "intent_id": SURROGATE}),
+        "intent_id",
+    ),
+    (
+        "POST",
+        "/instances/estimate",
+        with_surrogate({"config": config(tensor_split=SURROGATE)}),
+        "tensor_split",
+    ),
+    ("POST", "/resources/reservations", with_surrogate({"job_id": SURROGATE}), "job_id"),
+    (
+        "POST",
+        "/models/pull",
+        with_surrogate({"source": "huggingface", "source_uri": SURROGATE}),
+        "source_uri",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), SURROGATE_BODIES)
+def test_lone_surrogates_are_a_4xx_naming_the_field(
+    host: HostProc, method: str, path: str, body: str, field: str
+) -> None:
+    """FastAPI's 422 echoes the bad input; a lone surrogate cannot be encoded and the answer
+    became a 500 (and the pull and estimate routes failed the same way on their own)."""
+    with fresh(host) as c:
+        r = c.request(method, path, content=body.encode())
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    assert field in r.text
+
+
+@pytest.fixture
+def own_host(tmp_path: Path) -> Iterator[HostProc]:
+    """A host of its own: on the code before the fix, the test leaves it unable to save."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(b"not a real gguf")
+    with HostProc(tmp_path) as h:
+        h.start()
+        yield h
+
+
+@pytest.mark.parametrize(
+    "field", ["extra_args", "api_key", "extra_env", "chat_template", "model_source", "host"]
+)
+def test_a_lone_surrogate_in_a_config_cannot_poison_the_store(
+    own_host: HostProc, field: str
+) -> None:
+    """The config was accepted, the instance kept in memory, and config.json could not be
+    written any more: that create and every later create, update, start and delete of any
+    instance answered 500 (and nothing was persisted) until the bad instance was deleted."""
+    value = {"extra_args": [SURROGATE], "extra_env": {"A": SURROGATE}}.get(field, SURROGATE)
+    body = with_surrogate({"config": config(**{field: value})})
+    host = own_host
+    with fresh(host) as c:
+        r = c.post("/instances", content=body.encode())
+        # Whatever this answered, every later write must still work:
+        ok = c.post("/instances", json={"config": config(alias=f"after-{field}")})
+        assert ok.status_code == 200, (ok.status_code, ok.text[:300])
+        new_id = ok.json()["instance"]["id"]
+        stored = json.loads((host.tmp / "config.json").read_text())
+        assert new_id in {e["instance"]["id"] for e in stored["instances"]}
+        assert c.delete(f"/instances/{new_id}").status_code == 200
+        # ... and the bad config was a 422 naming the field, kept nowhere.
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        assert field in json.dumps(r.json()["detail"])
+        assert len(c.get("/instances").json()) == 0
+
+
+# --- 3. forged lines in the host's log ---------------------------------------------------------
+
+
+def test_config_field_names_cannot_forge_host_log_lines(host: HostProc) -> None:
+    """An unknown config key is logged as given: a newline in it started a line of the
+    caller's choosing in the host's log, and escape sequences reached the operator's terminal."""
+    forged = "2099-01-01T00:00:00.000Z ERROR   solar_host: FORGED-BY-REVIEW"
+    key = f"x\n{forged} \x1b[31mred\x1b[0m"
+    with fresh(host) as c:
+        r = c.post("/instances", json={"config": {**config(alias="forge"), key: 1}})
+        assert r.status_code == 200, r.text[:300]
+        c.delete(f"/instances/{r.json()['instance']['id']}")
+    deadline = time.monotonic() + 10
+    text = ""
+    while time.monotonic() < deadline:
+        text = host.log_path.read_text("utf-8", "replace")
+        if "FORGED-BY-REVIEW" in text:
+            break
+        time.sleep(0.1)
+    assert "FORGED-BY-REVIEW" in text, "the warning was not logged at all"
+    assert not any(line.startswith(forged) for line in text.splitlines()), "a forged line"
+    assert "\x1b" not in text, "a raw escape sequence in the host log"
+
+
+# --- 4. logs of an id that is not there ---------------------------------------------------------
+
+
+def test_logs_of_an_unknown_id_are_not_another_instances(host: HostProc) -> None:
+    """GET /instances/{id}/logs of an unknown id fell back to `*_{id}_*.log`, which matches
+    the file of another instance whose alias holds `_{id}_`: its log was answered as this id's."""
+    with fresh(host) as c:
+        r = c.post("/instances", json={"config": config(alias="team_b_chat")})
+        assert r.status_code == 200, r.text[:300]
+        iid = r.json()["instance"]["id"]
+        try:
+            assert c.post(f"/instances/{iid}/start").status_code == 200
+            assert c.post(f"/instances/{iid}/stop").status_code == 200
+            assert c.get(f"/instances/{iid}/logs").json(), "the instance logged nothing"
+            for other in ("b", "chat"):
+                r = c.get(f"/instances/{other}/logs")
+                assert r.status_code == 404, (other, r.status_code, r.text[:200])
+        finally:
+            c.delete(f"/instances/{iid}")
+
+
+# --- 5. a bad WebSocket query parameter ---------------------------------------------------------
+
+
+def test_ws_bad_since_seq_is_refused_with_a_reason_naming_it(host: HostProc) -> None:
+    """`since_seq=abc` refused the handshake with a bare HTTP 403: the same thing a client
+    sees for a refused key, and nothing says which parameter was wrong."""
+
+    async def go() -> Any:
+        url = host.url.replace("http://", "ws://") + "/instances/x/logs?since_seq=abc"
+        try:
+            async with ws_connect(url, additional_headers={"X-API-Key": host.api_key}) as sock:
+                await asyncio.wait_for(sock.recv(), 10)
+        except ConnectionClosed as closed:
+            return closed.rcvd
+        except InvalidStatus as refused:
+            return refused.response.status_code
+        return None
+
+    rcvd = asyncio.run(go())
+    assert rcvd is not None and not isinstance(rcvd, int), f"handshake refused: {rcvd}"
+    assert rcvd.code == 1008 and "since_seq" in rcvd.reason, rcvd
+
+
+def test_host_is_still_healthy(host: HostProc) -> None:
+    with fresh(host) as c:
+        assert c.get("/health").status_code == 200
+    assert host.proc is not None and host.proc.poll() is None
