@@ -9,9 +9,10 @@ the job id and the JOBS_DIR of the host that made them, so a host removes only i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ class DaemonUnavailableError(RuntimeError):
 
 class ContainerStartError(RuntimeError):
     """The step's container could not be created or started."""
+
+
+def distinct_name(spec: ContainerSpec) -> str:
+    """`spec.name` with a digest of the job and step: unique where the plain name is taken."""
+    key = f"{spec.labels.get(LABEL_JOB)}\0{spec.labels.get(LABEL_STEP)}"
+    return f"{spec.name}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,10 @@ class DockerJobs:
             "user": spec.user,
             "network_mode": spec.network_mode,
             "privileged": False,
+            # A setuid program in the image must not undo CONTAINER_UID/GID.
+            "security_opt": ["no-new-privileges"],
+            # The host keeps the durable (rotated) log; dockerd's own copy stays small.
+            "log_config": {"Type": "json-file", "Config": {"max-size": "10m", "max-file": "1"}},
             # docker-init (tini) as PID 1 forwards SIGTERM: stop takes milliseconds, not the
             # whole grace period (sh or sleep as PID 1 ignore SIGTERM).
             "init": True,
@@ -120,7 +131,7 @@ class DockerJobs:
         }
         import docker.errors
 
-        pulled = renamed = False
+        pulled = replaced = False
         while True:
             try:
                 return self.client.containers.create(spec.image, **kwargs).id
@@ -130,8 +141,14 @@ class DockerJobs:
                 self.pull(spec.image)
                 pulled = True
             except docker.errors.APIError as err:
-                if not renamed and err.status_code == 409 and self._remove_ours(spec):
-                    renamed = True
+                if err.status_code == 409 and kwargs["name"] == spec.name:
+                    if not replaced and self._remove_ours(spec):
+                        replaced = True  # a leftover of this very job and step
+                        continue
+                    # Another job's container: job ids and step names both hold '-', so job
+                    # 'a-b' step 'c' and job 'a' step 'b-c' share the name. Never remove it;
+                    # this one takes a name of its own (containers are found by label).
+                    kwargs["name"] = distinct_name(spec)
                     continue
                 raise ContainerStartError(f"cannot create the container: {_explain(err)}") from err
             except Exception as err:
@@ -149,12 +166,15 @@ class DockerJobs:
             ) from err
 
     def _remove_ours(self, spec: ContainerSpec) -> bool:
-        """Remove a container with the spec's name if the same host made it."""
+        """Remove the container named like `spec` if it is a leftover of the same job and step
+        of this host (a step whose container outlived a crash), never another job's."""
         try:
             old = self.client.containers.get(spec.name)
         except Exception:
             return False
-        if old.labels.get(LABEL_JOBS_DIR) != spec.labels.get(LABEL_JOBS_DIR):
+        if any(
+            old.labels.get(k) != spec.labels.get(k) for k in (LABEL_JOBS_DIR, LABEL_JOB, LABEL_STEP)
+        ):
             return False
         self.remove(old.id)
         return True
@@ -200,7 +220,7 @@ class DockerJobs:
         except Exception as err:
             log.warning("cannot remove container %s: %s", container_id[:12], _explain(err))
 
-    def remove_leftovers(self, jobs_dir: Path, keep: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+    def remove_leftovers(self, jobs_dir: Path, keep: Container[str] = frozenset()) -> int:
         """Remove containers of this JOBS_DIR whose job is not in `keep`. Returns the count."""
         try:
             found = self.client.containers.list(

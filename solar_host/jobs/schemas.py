@@ -21,8 +21,12 @@ from solar_host.events import utc_now
 SLUG_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SLUG_LEN = 128
-# Names that would collide with the host's own files in JOBS_DIR.
+# Names that would collide with the host's own files in JOBS_DIR (the store, its last good
+# copy `.prev`, and anything else statefiles may name after it).
 RESERVED_JOB_IDS = frozenset({"jobs_store.json"})
+RESERVED_JOB_ID_PREFIX = "jobs_store.json"
+# 100 years: larger values overflow datetime arithmetic (retention deadline, sweep).
+MAX_RETENTION_HOURS = 100 * 365 * 24.0
 
 
 def validate_slug(value: str, what: str) -> str:
@@ -231,7 +235,7 @@ class JobDefinition(BaseModel):
     job_id: str
     name: str | None = None
     steps: list[StepDefinition] = Field(min_length=1)
-    retention_hours: float = Field(default=24.0, ge=0)
+    retention_hours: float = Field(default=24.0, ge=0, le=MAX_RETENTION_HOURS)
     min_free_disk_gb: float | None = Field(default=None, ge=0)
     base_model_uri: str | None = None
     training_data_uri: str | None = None
@@ -245,7 +249,7 @@ class JobDefinition(BaseModel):
     @classmethod
     def _job_id(cls, v: str) -> str:
         validate_slug(v, "job_id")
-        if v in RESERVED_JOB_IDS:
+        if v in RESERVED_JOB_IDS or v.startswith(RESERVED_JOB_ID_PREFIX):
             raise ValueError(f"job_id {v!r} is reserved")
         return v
 

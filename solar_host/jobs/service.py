@@ -244,9 +244,21 @@ class JobService:
         while True:
             await asyncio.sleep(DOCKER_RECHECK_S)
             try:
-                await self.ensure_docker()
+                if await self.ensure_docker():
+                    await self._sweep_leftovers()
             except Exception:
                 log.exception("Docker availability check failed")
+
+    async def _sweep_leftovers(self) -> None:
+        """Remove containers of this JOBS_DIR whose job is not running (a step whose `remove`
+        failed, e.g. while the daemon restarted). `_runs` is passed live: a run is recorded
+        before its container is created, so a container listed here has its run in it."""
+        docker = self._docker
+        if docker is None:
+            return
+        n = await asyncio.to_thread(docker.remove_leftovers, self.jobs_dir, self._runs)
+        if n:
+            log.info("removed %d leftover job container(s)", n)
 
     # --- queries -----------------------------------------------------------------------------
 
@@ -312,7 +324,9 @@ class JobService:
         docker = self._docker
         assert docker is not None
         job_id = job.job_id
-        if job_id in self.store or job_id in self._submitting:
+        # `_runs`: a cancelled job whose task has not ended yet (its cancel timed out) still
+        # owns the id; a new job under it would be rewritten by the old task.
+        if job_id in self.store or job_id in self._submitting or job_id in self._runs:
             raise JobExists(f"Job '{job_id}' already exists")
         self._submitting.add(job_id)
         try:
@@ -358,7 +372,8 @@ class JobService:
         try:
             await self.executor.run(docker, run, job)
         finally:
-            self._runs.pop(job.job_id, None)
+            if self._runs.get(job.job_id) is run:
+                del self._runs[job.job_id]
 
     # --- cancel ------------------------------------------------------------------------------
 
@@ -405,14 +420,16 @@ class JobService:
     async def sweep_expired(self) -> int:
         """Forget finished jobs whose retention has passed; returns how many."""
         now = utc_now()
-        expired = [
-            j.job_id
-            for j in self.store.all()
-            if j.terminal
-            and j.job_id not in self._runs
-            and j.finished_at is not None
-            and j.finished_at + timedelta(hours=j.retention_hours) <= now
-        ]
+
+        def due(j: JobState) -> bool:
+            if not j.terminal or j.job_id in self._runs or j.finished_at is None:
+                return False
+            try:
+                return j.finished_at + timedelta(hours=j.retention_hours) <= now
+            except (OverflowError, ValueError):  # a retention beyond the calendar: never
+                return False
+
+        expired = [j.job_id for j in self.store.all() if due(j)]
         for job_id in expired:
             log.info("job %s reached its retention; removing it and its workspace", job_id)
             await self._forget(job_id)

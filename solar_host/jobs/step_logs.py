@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 RECENT_LOGS = 100
 # Default cut of one line (LOG_LINE_MAX_BYTES), so one endless line cannot exhaust memory.
 MAX_LINE_CHARS = 16 * 1024
+# Injected secrets (ruling 14) printed by a step are replaced by this in every copy of its log.
+REDACTED = "***"
+MIN_REDACT_CHARS = 4
 
 
 class LineSplitter:
@@ -157,6 +160,7 @@ def pump_container_output(
     max_line_chars: int = MAX_LINE_CHARS,
     max_file_bytes: int = 100 * 1024 * 1024,
     generations: int = 3,
+    redact: Iterable[str] = (),
 ) -> None:
     """Read a demuxed Docker stream to its end (blocking; run in a worker thread).
 
@@ -171,9 +175,13 @@ def pump_container_output(
         log.warning("cannot open step log %s: %s", log_path, err)
         log_file = None
 
+    secrets = sorted({s for s in redact if s and len(s) >= MIN_REDACT_CHARS}, key=len, reverse=True)
+
     def emit(name: str, lines: list[str]) -> None:
         if not lines:
             return
+        if secrets:
+            lines = [_redact(line, secrets) for line in lines]
         if log_file is not None:
             try:
                 log_file.write(("\n".join(lines) + "\n").encode("utf-8", "replace"))
@@ -194,6 +202,13 @@ def pump_container_output(
             emit(name, splitter.flush())
         if log_file is not None:
             log_file.close()
+
+
+def _redact(line: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        if secret in line:
+            line = line.replace(secret, REDACTED)
+    return line
 
 
 def loop_deliverer(

@@ -101,6 +101,13 @@ def nvidia_visible_devices(gpu: GpuRequest) -> str:
     return ",".join(str(i) for i in range(gpu.count))
 
 
+def injected_secrets(settings: Settings) -> list[str]:
+    """The secret values steps receive (ruling 14): redacted from step logs."""
+    if not settings.job_inject_secrets:
+        return []
+    return [v for v in (settings.hf_token, settings.harbor_password) if v]
+
+
 def step_environment(
     settings: Settings, job: JobDefinition, step: StepDefinition, index: int
 ) -> dict[str, str]:
@@ -233,6 +240,7 @@ class StepRunner:
                     max_line_chars=self.settings.log_line_max_bytes,
                     max_file_bytes=self.settings.log_file_max_bytes,
                     generations=self.settings.log_file_generations,
+                    redact=injected_secrets(self.settings),
                 ),
                 stream,
                 log_path,

@@ -1,0 +1,438 @@
+"""Containerised jobs against a hostile key holder and faults: each test reproduces a defect
+an adversarial review found (and failed before its fix).
+
+A holder of the host's API key (or a fault: a slow pull, a daemon restart) against the real
+dockerd of tests/fixtures/docker.py and its busybox image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from solar_host.jobs.docker import DockerJobs
+from tests.fixtures.docker import DockerDaemon, build_image
+from tests.test_api_jobs import (  # noqa: F401 (docker_daemon, dockerd are fixtures)
+    KEY,
+    SECRET,
+    Host,
+    docker_daemon,
+    dockerd,
+    finished,
+    job_body,
+    job_containers,
+    make_settings,
+    running,
+    sh,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.skipif(sys.platform != "linux", reason="Docker job tests need Linux"),
+    pytest.mark.timeout(180),
+]
+
+
+def _file_size(path: str) -> int | None:
+    return os.path.getsize(path) if path and os.path.exists(path) else None
+
+
+def _client(daemon: DockerDaemon) -> docker.DockerClient:
+    return docker.DockerClient(base_url=daemon.host, timeout=60)
+
+
+# --- 1. container names: one job's step kills another job's running container ---------------
+
+
+async def test_container_names_of_two_jobs_never_collide(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Job 'a-b' step 'c' and job 'a' step 'b-c' both map to container 'solar-job-a-b-c'. The
+    second create got 409, and the host force-removed the FIRST job's running container as a
+    leftover of its own (job a-b failed with exit code 137). Now the second takes a name of
+    its own."""
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        r = await client.post(
+            "/jobs", json=job_body("a-b", sh("c", dockerd.image, "echo started; sleep 6"))
+        )
+        assert r.status_code == 202, r.text
+        await wait_for(
+            client,
+            "a-b",
+            lambda b: any(e["line"] == "started" for e in b["steps"][0]["recent_logs"]),
+        )
+        r = await client.post("/jobs", json=job_body("a", sh("b-c", dockerd.image, "echo two")))
+        assert r.status_code == 202, r.text
+        other = await wait_for(client, "a", finished)
+        first = await wait_for(client, "a-b", finished, within=30)
+    assert other["status"] == "completed", other
+    assert first["status"] == "completed", (
+        f"job a-b was killed by job a: {first['status']} {first['error_message']}"
+    )
+
+
+# --- 2. retention_hours that overflow a timedelta ---------------------------------------------
+
+
+@pytest.mark.parametrize("hours", ["1e12", "Infinity"])
+async def test_huge_retention_does_not_break_retention_of_other_jobs(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+    hours: str,
+) -> None:
+    """retention_hours=1e12 (or Infinity, which json.loads accepts) is accepted; the job's
+    `job_completed` payload raises OverflowError (never published), and every retention sweep
+    raises too: no job on the host is ever removed again (disk fills with workspaces)."""
+    host = Host(make_settings(tmp_path, job_cleanup_interval_s=0.1))
+    async with running(host) as client:
+        raw = json.dumps(job_body("big", sh("s", dockerd.image, "true"))).replace(
+            '"steps"', f'"retention_hours": {hours}, "steps"'
+        )
+        r = await client.post("/jobs", content=raw, headers={"content-type": "application/json"})
+        if r.status_code == 202:  # accepted: it must then behave
+            done = await wait_for(client, "big", finished)
+            assert done["status"] == "completed"
+            await asyncio.sleep(0.3)
+            assert "job_completed" in host.names("big"), host.names("big")
+        else:
+            assert r.status_code in (400, 422), r.text
+        gone = job_body("gone", sh("s", dockerd.image, "true"), retention_hours=0)
+        assert (await client.post("/jobs", json=gone)).status_code == 202
+        deadline = time.monotonic() + 10
+        while (await client.get("/jobs/gone")).status_code != 404:
+            assert time.monotonic() < deadline, "retention never removed 'gone'"
+            await asyncio.sleep(0.1)
+
+
+# --- 3. a job id that is the store's last-good copy -------------------------------------------
+
+
+async def test_job_id_cannot_take_the_store_backup_name(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """job_id 'jobs_store.json.prev' makes JOBS_DIR/jobs_store.json.prev a directory; every later
+    store write fails (IsADirectoryError renaming onto it): all further submits are 507 and no
+    job change is persisted."""
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        r = await client.post(
+            "/jobs", json=job_body("jobs_store.json.prev", sh("s", dockerd.image, "sleep 2"))
+        )
+        assert r.status_code in (202, 400), r.text
+        r = await client.post("/jobs", json=job_body("ok-1", sh("s", dockerd.image, "true")))
+        assert r.status_code == 202, r.text
+        await wait_for(client, "ok-1", finished)
+    store = json.loads((tmp_path / "jobs" / "jobs_store.json").read_text())
+    assert any(j["job_id"] == "ok-1" and j["status"] == "completed" for j in store["jobs"])
+
+
+# --- 4. a cancel that timed out, then the same job id again -----------------------------------
+
+
+class _SlowPull(DockerJobs):
+    """A daemon whose pull of the image 'slow/pull:1' takes a few seconds (a big image)."""
+
+    def create(self, spec: Any) -> str:
+        if spec.image == "slow/pull:1":
+            time.sleep(4)
+            from solar_host.jobs.docker import ContainerStartError
+
+            raise ContainerStartError("image 'slow/pull:1' not found and pull failed")
+        return super().create(spec)
+
+
+async def test_stale_task_of_a_cancelled_job_does_not_touch_its_successor(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """DELETE waits job_cancel_wait_s, then forgets the job although its task still runs (here:
+    a pull). A new job with the same id is accepted; when the old task ends it writes into the
+    NEW job's record (step failed with the old pull error, job 'cancelled'), pops the new run
+    from `_runs`, so the new job's container keeps running untracked and DELETE is a 409.
+    (Reproduced too with a real loopback registry that never answers.)"""
+    host = Host(make_settings(tmp_path, job_cancel_wait_s=0.5))
+    host.jobs._docker_factory = _SlowPull.connect
+    async with running(host) as client:
+        old = job_body("x", {"name": "s", "image": "slow/pull:1", "command": ["true"]})
+        assert (await client.post("/jobs", json=old)).status_code == 202
+        await asyncio.sleep(0.3)
+        assert (await client.delete("/jobs/x")).status_code == 200
+        new = job_body("x", sh("s", dockerd.image, "echo new-running; sleep 30"))
+        r = await client.post("/jobs", json=new)
+        if r.status_code == 409:  # refused while the old task lives: acceptable
+            return
+        assert r.status_code == 202, r.text
+        await asyncio.sleep(6)  # the old task has ended by now
+        body = (await client.get("/jobs/x")).json()
+        try:
+            assert body["status"] == "running", body
+            assert body["steps"][0]["status"] == "running", body
+            assert (await client.delete("/jobs/x")).status_code == 200
+            assert job_containers(dockerd, "x") == []
+        finally:
+            for ct in job_containers(dockerd, "x"):
+                ct.remove(force=True)
+
+
+# --- 5. setuid binaries in the image: CONTAINER_UID is bypassed -------------------------------
+
+ROOTSH_C = r"""
+#include <unistd.h>
+#include <stdio.h>
+int main(int c, char **v) {
+    if (setgid(0) || setuid(0)) perror("setuid");
+    v[0] = "sh";
+    execv("/bin/sh", v);
+    return 127;
+}
+"""
+
+
+@pytest.fixture
+def suid_image(dockerd: DockerDaemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # noqa: F811
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is needed to build the setuid helper")
+    ctx = tmp_path_factory.mktemp("suidctx")
+    (ctx / "r.c").write_text(ROOTSH_C)
+    out = subprocess.run(
+        [gcc, "-static", "-O2", "-o", str(ctx / "rootsh"), str(ctx / "r.c")],
+        capture_output=True,
+        timeout=60,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot build a static helper: {out.stderr[-300:]!r}")
+    (ctx / "Dockerfile").write_text(
+        f"FROM {dockerd.image}\nCOPY rootsh /bin/rootsh\nRUN chmod 4755 /bin/rootsh\n"
+    )
+    tag = "solar-review/suid:local"
+    client = _client(dockerd)
+    try:
+        client.images.build(path=str(ctx), tag=tag, rm=True)
+        yield tag
+    finally:
+        try:
+            client.images.remove(tag, force=True)
+        except Exception:
+            pass
+        client.close()
+
+
+async def test_a_setuid_binary_in_the_image_does_not_give_root(
+    dockerd: DockerDaemon,  # noqa: F811
+    suid_image: str,
+    tmp_path: Path,
+) -> None:
+    """The host refuses the `user` field (CONTAINER_UID/GID are the operator's), but containers
+    run without no-new-privileges: any image with a setuid-root program turns the step into
+    uid 0 with Docker's default capabilities, e.g. writing root-owned files into the mounts
+    (here output/)."""
+    host = Host(make_settings(tmp_path))
+    script = "id -u; touch /workspace/output/owned-by-me; id -u > /workspace/output/uid"
+    async with running(host) as client:
+        r = await client.post(
+            "/jobs",
+            json=job_body(
+                "suid", {"name": "s", "image": suid_image, "command": ["rootsh", "-c", script]}
+            ),
+        )
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "suid", finished)
+    lines = [e["line"] for e in body["steps"][0]["recent_logs"]]
+    owner = tmp_path / "jobs" / "suid" / "output" / "owned-by-me"
+    assert "0" not in lines, lines
+    assert not owner.exists() or owner.stat().st_uid != 0
+
+
+# --- 6. the daemon's own copy of the step output is unbounded ---------------------------------
+
+
+async def test_docker_keeps_no_unbounded_copy_of_step_output(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The host rotates logs/<step>.log at LOG_FILE_MAX_BYTES, but the container is created with
+    the daemon's default json-file driver and no max-size: dockerd stores every byte again
+    (about 2.7x, JSON-wrapped) under /var/lib/docker for as long as the step runs. 30 MB of
+    output -> ~80 MB on the daemon's disk; a step printing forever fills it."""
+    host = Host(make_settings(tmp_path, log_file_max_bytes=1024 * 1024, log_file_generations=1))
+    script = (
+        "yes 0123456789012345678901234567890123456789 | head -c 30000000; echo; echo END; sleep 30"
+    )
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("flood", sh("s", dockerd.image, script)))
+        assert r.status_code == 202, r.text
+        body = await wait_for(
+            client,
+            "flood",
+            lambda b: any(e["line"] == "END" for e in b["steps"][0]["recent_logs"]),
+            within=90,
+        )
+        cid = body["steps"][0]["container_id"]
+        c = _client(dockerd)
+        try:
+            info = c.api.inspect_container(cid)
+        finally:
+            c.close()
+        log_path = info.get("LogPath") or ""
+        size = _file_size(log_path)
+        await client.delete("/jobs/flood")
+    cfg = info["HostConfig"]["LogConfig"]
+    bounded = cfg.get("Type") in ("none",) or "max-size" in (cfg.get("Config") or {})
+    assert bounded, f"log driver {cfg} unbounded; daemon copy is {size} bytes"
+
+
+# --- 7. a daemon restart mid-job leaves an orphan container -----------------------------------
+
+
+class _PrivateDaemon:
+    """A dockerd of this test only (so it can be stopped and started again)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="rvd-", dir="/tmp"))
+        self.sock = self.dir / "d.sock"
+        self.host = f"unix://{self.sock}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("dockerd") or "/usr/sbin/dockerd"
+        if not os.path.exists(binary):
+            pytest.skip("dockerd is not installed")
+        cmd = [
+            binary,
+            "--bridge=none",
+            "--iptables=false",
+            "--ip-masq=false",
+            "--ip6tables=false",
+            f"--data-root={self.dir / 'data'}",
+            f"--exec-root={self.dir / 'exec'}",
+            f"--pidfile={self.dir / 'd.pid'}",
+            f"-H=unix://{self.sock}",
+        ]
+        with open(self.dir / "dockerd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                c = docker.DockerClient(base_url=self.host, timeout=2)
+                try:
+                    if c.ping():
+                        return
+                finally:
+                    c.close()
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("private dockerd did not start")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture
+def private_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_PrivateDaemon, str]]:
+    d = _PrivateDaemon()
+    d.start()
+    try:
+        image = build_image(d.host, d.dir)
+        monkeypatch.setenv("DOCKER_HOST", d.host)
+        yield d, image
+    finally:
+        if d.proc is None:
+            d.start()
+        c = docker.DockerClient(base_url=d.host, timeout=30)
+        try:
+            for ct in c.containers.list(all=True, filters={"label": "solar-host.job"}):
+                ct.remove(force=True)
+        finally:
+            c.close()
+        d.stop()
+        shutil.rmtree(d.dir, ignore_errors=True)
+
+
+async def test_daemon_restart_mid_job_leaves_no_orphan_container(
+    private_daemon: tuple[_PrivateDaemon, str],
+    tmp_path: Path,
+) -> None:
+    """dockerd stops while a step runs: the job fails (fine), but the step's `remove` fails
+    (daemon gone) and leftovers are swept only once per host process: after the daemon is back
+    the exited container stays forever (with live-restore it would keep RUNNING, untracked)."""
+    daemon, image = private_daemon
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("dd", sh("s", image, "echo up; sleep 60")))
+        assert r.status_code == 202
+        await wait_for(
+            client, "dd", lambda b: any(e["line"] == "up" for e in b["steps"][0]["recent_logs"])
+        )
+        await asyncio.to_thread(daemon.stop)
+        body = await wait_for(client, "dd", finished, within=30)
+        assert body["status"] == "failed"
+        await asyncio.to_thread(daemon.start)
+        # the host notices the daemon again (watch loop every 5 s) and runs jobs
+        deadline = time.monotonic() + 20
+        while True:
+            r = await client.post("/jobs", json=job_body("after", sh("s", image, "true")))
+            if r.status_code == 202:
+                break
+            assert time.monotonic() < deadline, r.text
+            await asyncio.sleep(0.5)
+        await wait_for(client, "after", finished)
+        await asyncio.sleep(11)  # two watch cycles
+        c = docker.DockerClient(base_url=daemon.host, timeout=30)
+        try:
+            left = c.containers.list(all=True, filters={"label": "solar-host.job=dd"})
+            names = [(ct.name, ct.status) for ct in left]
+        finally:
+            c.close()
+    assert names == [], f"orphan container(s) of job dd: {names}"
+
+
+# --- 8. secrets printed by a step end up in responses and the log file -----------------------
+
+
+async def test_secrets_printed_by_a_step_are_redacted(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Ruling 14: HF_TOKEN / HARBOR_* are injected and 'never appear in logs or responses'. A
+    step that prints its environment (`env`, a debug print) puts them verbatim into
+    GET /jobs/{id} recent_logs, step_log events and logs/<step>.log. (Redaction cannot stop a
+    step that encodes the value; it stops the verbatim leak.)"""
+    host = Host(make_settings(tmp_path, harbor_password="HARBOR_PW_9x7", harbor_username="u"))
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("leak", sh("s", dockerd.image, "env | sort")))
+        assert r.status_code == 202
+        body = await wait_for(client, "leak", finished)
+    text = json.dumps(body) + json.dumps(host.step_logs)
+    text += (tmp_path / "jobs" / "leak" / "logs" / "s.log").read_text()
+    assert "HF_TOKEN=" in text  # the variable is there...
+    assert SECRET not in text  # ...its value is not
+    assert "HARBOR_PW_9x7" not in text
