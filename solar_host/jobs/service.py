@@ -162,7 +162,7 @@ class JobService:
         interrupted, self._interrupted = self._interrupted, None
         if interrupted is None:
             interrupted = await asyncio.to_thread(self.store.load)
-        await asyncio.to_thread(self.store.save_interrupted, interrupted)
+        await self.store.save_interrupted(interrupted)
         for job_id in interrupted:
             log.warning("job %s was running when the host stopped; marked failed", job_id)
         await self.ensure_docker(force=True)
@@ -199,6 +199,7 @@ class JobService:
                 task.cancel()
             if still:
                 await asyncio.wait(still, timeout=2.0)
+        await self.store.drain()  # the last states (cancelled, failed) on disk before exit
         if docker is not None:
             docker.close()
         self._docker = None
@@ -355,7 +356,7 @@ class JobService:
                 definition=job,
             )
             try:
-                self.store.add(state)
+                await self.store.add(state)
             except OSError as err:  # nothing started: the workspace goes, the caller hears
                 await asyncio.to_thread(delete_workspace, str(path))
                 reason = err.strerror or str(err)

@@ -5,7 +5,11 @@ needed; readers from other threads get the immutable snapshot objects (every upd
 the JobState, never mutates it in place). The file follows statefiles' rules: atomic fsynced
 writes (a crash leaves the old or the new file), the previous version kept as
 jobs_store.json.prev, 0600 (step environments may hold credentials), and a file that cannot be
-parsed stops the host at start-up instead of being replaced by the next submit. An entry that no
+parsed stops the host at start-up instead of being replaced by the next submit. Writes are
+group-committed (statefiles.GroupCommit): the file is written in a worker thread, changes made
+while a write runs share the next one, and each job's JSON is kept until the job changes, so a
+change encodes one job, not every retained job's definition (a store of ten 7 MB definitions
+held the event loop for seconds at every step of every job). An entry that no
 longer validates is kept verbatim in the file (and logged), never dropped. On load, jobs that
 were still running belong to a host that died: they are marked failed with finished_at, so
 retention removes them later (written at start, not at load).
@@ -13,6 +17,7 @@ retention removes them later (written at start, not at load).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -22,6 +27,7 @@ from solar_host.events import utc_now
 from solar_host.jobs.schemas import JobState, JobStatus, StepStatus
 from solar_host.statefiles import (
     PRIVATE,
+    GroupCommit,
     StateFileError,
     atomic_write_bytes,
     last_good_path,
@@ -46,6 +52,9 @@ class JobStore:
         # Top-level keys of the file this release does not know: written back as they were.
         self.extra: dict[str, Any] = {}
         self._loaded_from_disk = False
+        self._commits = GroupCommit(self._encode, self._write)
+        self._encoded: dict[str, tuple[JobState, bytes]] = {}  # id -> (the state, its JSON)
+        self._saves: set[asyncio.Task[None]] = set()
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -60,16 +69,20 @@ class JobStore:
 
     # --- writes ------------------------------------------------------------------------------
 
-    def add(self, job: JobState) -> None:
-        """Record a new job; raises OSError (and records nothing) when the store cannot be
-        written: a job the caller was told about must survive a restart."""
+    async def add(self, job: JobState) -> None:
+        """Record a new job once it is on disk; raises OSError (and records nothing) when the
+        store cannot be written: a job the caller was told about must survive a restart."""
         if job.job_id in self._jobs:
             raise KeyError(f"Job '{job.job_id}' already exists")
         self._jobs[job.job_id] = job
+        if self.path is None:
+            return
         try:
-            self._save(strict=True)
+            await self._commits.commit()
         except OSError:
-            del self._jobs[job.job_id]
+            if self._jobs.get(job.job_id) is job:
+                del self._jobs[job.job_id]
+                self._save()  # a later write may already hold it: the next one must not
             raise
 
     def update(self, job_id: str, **fields: Any) -> JobState:
@@ -138,31 +151,54 @@ class JobStore:
             self._jobs[job.job_id] = job
         return interrupted
 
-    def save_interrupted(self, interrupted: list[str]) -> None:
+    async def save_interrupted(self, interrupted: list[str]) -> None:
         """Write the failed marks of jobs a dead host left running (after load)."""
         if interrupted:
             self._save()
+        await self.drain()
 
-    def _save(self, strict: bool = False) -> None:
-        """Write the store. A failure raises with `strict`; otherwise it is logged and the
-        in-memory state stays authoritative (the next change retries the write)."""
+    async def drain(self) -> None:
+        """Wait until every change made so far is written (or its write failed)."""
+        while self._saves:
+            await asyncio.gather(*list(self._saves), return_exceptions=True)
+        await self._commits.drain()
+
+    def _save(self) -> None:
+        """Write the store soon. A failure is logged and the in-memory state stays
+        authoritative (the next change retries the write)."""
         if self.path is None:
             return
-        jobs = [j.model_dump(mode="json") for j in self._jobs.values()]
-        data = {**self.extra, "version": 1, "jobs": jobs + self.unreadable}
+        task = asyncio.get_running_loop().create_task(self._commit_logged())
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def _commit_logged(self) -> None:
         try:
-            # 0600: step environments given by the caller may hold credentials.
-            atomic_write_bytes(
-                self.path,
-                json.dumps(data, indent=1).encode(),
-                PRIVATE,
-                keep_previous=self._loaded_from_disk,
-            )
-            self._loaded_from_disk = True
+            await self._commits.commit()
         except OSError as err:
-            if strict:
-                raise
             log.error("cannot write the job store %s: %s", self.path, err)
+
+    def _encode(self) -> bytes:
+        """The store document, on the event loop (the states belong to it): the JSON of each
+        job that did not change since the last write is reused."""
+        parts = []
+        encoded: dict[str, tuple[JobState, bytes]] = {}
+        for job_id, job in self._jobs.items():
+            cached = self._encoded.get(job_id)
+            if cached is None or cached[0] is not job:
+                cached = (job, json.dumps(job.model_dump(mode="json")).encode())
+            encoded[job_id] = cached
+            parts.append(cached[1])
+        parts += [json.dumps(item).encode() for item in self.unreadable]
+        self._encoded = encoded
+        head = json.dumps({**self.extra, "version": 1})[:-1].encode()
+        return head + b', "jobs": [\n' + b",\n".join(parts) + b"\n]}\n"
+
+    def _write(self, data: bytes) -> None:
+        # In a worker thread. 0600: step environments given by the caller may hold credentials.
+        assert self.path is not None
+        atomic_write_bytes(self.path, data, PRIVATE, keep_previous=self._loaded_from_disk)
+        self._loaded_from_disk = True
 
 
 def parse_store(path: Path, data: bytes) -> dict[str, Any]:
