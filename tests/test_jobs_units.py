@@ -411,7 +411,9 @@ def test_environment_secrets_gpu_and_overrides(tmp_path: Path) -> None:
     assert env["WORKSPACE_OUTPUT"] == "/workspace/output"
     assert env["JOB_CONFIG"] == "/workspace/config/job.json"
     assert env["HF_TOKEN"] == "hf_secret" and env["HARBOR_PASSWORD"] == "hpass"
-    assert "NVIDIA_VISIBLE_DEVICES" not in env
+    # No GPU asked: "void", so a CUDA image's own NVIDIA_VISIBLE_DEVICES=all gets none either
+    # where nvidia is the daemon's default runtime.
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void" and "NVIDIA_DRIVER_CAPABILITIES" not in env
     env = step_environment(s, d, d.steps[1], 1)
     assert env["HF_TOKEN"] == "mine" and env["NVIDIA_VISIBLE_DEVICES"] == "1"
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
@@ -420,6 +422,18 @@ def test_environment_secrets_gpu_and_overrides(tmp_path: Path) -> None:
 
     off = step_environment(_settings(tmp_path, job_inject_secrets=False), d, d.steps[0], 0)
     assert not {"HF_TOKEN", "HARBOR_URL", "HARBOR_USERNAME", "HARBOR_PASSWORD"} & set(off)
+
+
+def test_gpus_cannot_be_taken_through_the_environment() -> None:
+    with pytest.raises(ValidationError) as err:
+        job(steps=[{"name": "a", "image": "i", "environment": {"NVIDIA_VISIBLE_DEVICES": "all"}}])
+    assert "NVIDIA_VISIBLE_DEVICES" in str(err.value) and "step_field_refused" in str(err.value)
+    # With a gpu request the caller may still choose among what it asked for.
+    job(
+        steps=[
+            {"name": "a", "image": "i", "gpu": 1, "environment": {"NVIDIA_VISIBLE_DEVICES": "0"}}
+        ]
+    )
 
 
 def test_container_spec_mounts_and_identity(tmp_path: Path) -> None:

@@ -226,6 +226,19 @@ class StepDefinition(BaseModel):
     def _gpu(cls, v: Any) -> GpuRequest | None:
         return normalise_gpu(v)
 
+    @model_validator(mode="after")
+    def _no_gpus_by_environment(self) -> StepDefinition:
+        # Where nvidia is the daemon's default runtime, this variable alone hands a container
+        # GPUs: a step without a gpu request would take GPUs no reservation or placement saw.
+        # (With a gpu request the caller may override it, as control's jobs expect.)
+        if self.gpu is None and "NVIDIA_VISIBLE_DEVICES" in self.environment:
+            raise PydanticCustomError(
+                STEP_FIELD_ERROR,
+                "refused: environment.NVIDIA_VISIBLE_DEVICES would give a step without a gpu "
+                "request this machine's GPUs (ask for them with `gpu`)",
+            )
+        return self
+
 
 class JobDefinition(BaseModel):
     """The POST /jobs body (control-contract 2.6); unknown keys are ignored."""

@@ -134,6 +134,11 @@ def step_environment(
     if step.gpu is not None:
         env["NVIDIA_VISIBLE_DEVICES"] = nvidia_visible_devices(step.gpu)
         env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
+    else:
+        # CUDA images set NVIDIA_VISIBLE_DEVICES=all in their own environment: where nvidia is
+        # the daemon's default runtime, that alone would give this step every GPU. "void" is
+        # the NVIDIA Container Toolkit's "no GPU, no driver" (runc's behaviour).
+        env["NVIDIA_VISIBLE_DEVICES"] = "void"
     env.update(step.environment)
     return env
 
