@@ -8,13 +8,12 @@ dockerd of tests/fixtures/docker.py and its busybox image.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import docker
 import pytest
 
 from solar_host.jobs.docker import DockerJobs
-from tests.fixtures.docker import DockerDaemon, build_image
+from tests.fixtures.docker import DockerDaemon, OwnDaemon, build_image
 from tests.test_api_jobs import (  # noqa: F401 (docker_daemon, dockerd are fixtures)
     KEY,
     SECRET,
@@ -302,63 +301,10 @@ async def test_docker_keeps_no_unbounded_copy_of_step_output(
 # --- 7. a daemon restart mid-job leaves an orphan container -----------------------------------
 
 
-class _PrivateDaemon:
-    """A dockerd of this test only (so it can be stopped and started again)."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="rvd-", dir="/tmp"))
-        self.sock = self.dir / "d.sock"
-        self.host = f"unix://{self.sock}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("dockerd") or "/usr/sbin/dockerd"
-        if not os.path.exists(binary):
-            pytest.skip("dockerd is not installed")
-        cmd = [
-            binary,
-            "--bridge=none",
-            "--iptables=false",
-            "--ip-masq=false",
-            "--ip6tables=false",
-            f"--data-root={self.dir / 'data'}",
-            f"--exec-root={self.dir / 'exec'}",
-            f"--pidfile={self.dir / 'd.pid'}",
-            f"-H=unix://{self.sock}",
-        ]
-        with open(self.dir / "dockerd.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                c = docker.DockerClient(base_url=self.host, timeout=2)
-                try:
-                    if c.ping():
-                        return
-                finally:
-                    c.close()
-            except Exception:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("private dockerd did not start")
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 @pytest.fixture
-def private_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_PrivateDaemon, str]]:
-    d = _PrivateDaemon()
+def private_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[OwnDaemon, str]]:
+    """A dockerd of this test only, so that it can be stopped and started again."""
+    d = OwnDaemon()
     d.start()
     try:
         image = build_image(d.host, d.dir)
@@ -374,11 +320,10 @@ def private_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_PrivateDa
         finally:
             c.close()
         d.stop()
-        shutil.rmtree(d.dir, ignore_errors=True)
 
 
 async def test_daemon_restart_mid_job_leaves_no_orphan_container(
-    private_daemon: tuple[_PrivateDaemon, str],
+    private_daemon: tuple[OwnDaemon, str],
     tmp_path: Path,
 ) -> None:
     """dockerd stops while a step runs: the job fails (fine), but the step's `remove` fails
@@ -392,7 +337,7 @@ async def test_daemon_restart_mid_job_leaves_no_orphan_container(
         await wait_for(
             client, "dd", lambda b: any(e["line"] == "up" for e in b["steps"][0]["recent_logs"])
         )
-        await asyncio.to_thread(daemon.stop)
+        await asyncio.to_thread(functools.partial(daemon.stop, keep_data=True))
         body = await wait_for(client, "dd", finished, within=30)
         assert body["status"] == "failed"
         await asyncio.to_thread(daemon.start)
