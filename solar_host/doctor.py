@@ -194,14 +194,14 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
     if mode == "off":
         return Check("read confinement", True, "off (BACKEND_READ_CONFINEMENT=off)")
     version = confinement.abi_version() if abi is None else abi
-    if version >= 1:
+    if version >= 2 or (version == 1 and mode == "required"):
         return Check(
             "read confinement",
             True,
             f"Landlock ABI {version}: backends read only the model roots, caches and runtime",
         )
-    detail = "this kernel has no Landlock"
-    fix = "Linux 5.13+ with landlock in its LSM list (lsm= boot parameter)"
+    detail = "this kernel has no Landlock" if version < 1 else "Landlock ABI 1 only"
+    fix = "Linux 5.19+ with landlock in its LSM list (lsm= boot parameter)"
     if mode == "required":
         return Check("read confinement", False, f"{detail}; backends will not start", fix)
     return Check("read confinement", True, f"{detail}; backends start unconfined ({fix})")

@@ -5,6 +5,7 @@ the machine's read (the host's state, /etc/shadow); `required` refuses to start 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,36 @@ def test_the_read_policy_never_widens_to_the_whole_machine(tmp_path: Path) -> No
     assert str(tmp_path / "models") in policy.trees and policy.files == (str(key),)
     built = confinement.read_policy(roots=[], argv=[str(build / "bin" / "llama-server")], env=env)
     assert str(build) in built.trees  # its shared libraries live beside bin/
+
+
+@needs_landlock
+async def test_a_confined_backend_can_move_files_into_place(tmp_path: Path) -> None:
+    """Caches write a file in a temporary directory and rename it into place (triton does): a
+    ruleset that does not handle Landlock's REFER right made every such move EXDEV. Moving a
+    file out of a tree the backend may not read, into one it may, stays refused."""
+    from solar_host.instances import process as procs
+
+    scratch, outside = tmp_path / "scratch", tmp_path / "outside"
+    (scratch / "tmp").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("s")
+    code = (
+        "import os\n"
+        "open('tmp/f', 'w').write('x')\n"
+        "os.replace('tmp/f', 'f')\n"
+        "print('moved', open('f').read())\n"
+        "try:\n"
+        f"    os.link({str(outside / 'secret')!r}, 'stolen')\n"
+        "    print('linked')\n"
+        "except OSError as err:\n"
+        "    print('link refused', err.errno)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    argv = [sys.executable, "-c", code]
+    reads = confinement.read_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    log = tmp_path / "backend.log"
+    proc = procs.spawn(argv, env, log, scratch, reads, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    out = log.read_text()
+    assert "moved x" in out and "link refused" in out, out
+    assert not (scratch / "stolen").exists()

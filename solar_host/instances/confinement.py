@@ -38,7 +38,18 @@ _RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
 ACCESS_READ_FILE = 1 << 2
 ACCESS_READ_DIR = 1 << 3
-HANDLED = ACCESS_READ_FILE | ACCESS_READ_DIR
+# Moving or hard-linking a file into another directory (ABI 2+). A ruleset that does not
+# handle it makes every such move fail with EXDEV, which breaks caches that write a file in a
+# temporary directory and rename it into place (triton's, for one). Handled and granted on the
+# allowed trees, moves between them work, and a move out of a tree the backend may not read
+# into one it may is still refused.
+ACCESS_REFER = 1 << 13
+READ_ONLY = ACCESS_READ_FILE | ACCESS_READ_DIR
+
+
+def handled_access(abi: int) -> int:
+    """What a ruleset for this ABI restricts (and grants on the allowed trees)."""
+    return READ_ONLY | (ACCESS_REFER if abi >= 2 else 0)
 
 # What any backend may read of the system: its libraries, devices, kernel interfaces.
 SYSTEM_TREES = (
@@ -207,7 +218,8 @@ class Ruleset:
     def build(cls, policy: ReadPolicy) -> Ruleset:
         """Raise OSError where the kernel refuses (no Landlock)."""
         libc = _libc()
-        attr = _RulesetAttr(HANDLED)
+        handled = handled_access(abi_version())
+        attr = _RulesetAttr(handled)
         fd = libc.syscall(
             _SYS_CREATE_RULESET,
             ctypes.byref(attr),
@@ -219,7 +231,7 @@ class Ruleset:
             raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
         skipped: list[str] = []
         try:
-            for path, access in [(p, HANDLED) for p in policy.trees] + [
+            for path, access in [(p, handled) for p in policy.trees] + [
                 (p, ACCESS_READ_FILE) for p in policy.files
             ]:
                 if not cls._add(libc, fd, path, access):
@@ -275,8 +287,9 @@ class Ruleset:
 @functools.cache
 def _say_unavailable_once() -> None:
     log.warning(
-        "backends run without read confinement: this kernel has no Landlock (Linux 5.13+ with "
-        "landlock among its LSMs); the model-roots check at start still applies"
+        "backends run without read confinement: this kernel has no Landlock of ABI 2 or later "
+        "(Linux 5.19+ with landlock among its LSMs); the model-roots check at start still "
+        "applies"
     )
 
 
@@ -285,11 +298,17 @@ def ruleset_for(mode: str, policy: ReadPolicy) -> Ruleset | None:
     on a kernel without Landlock). Raises ConfinementUnavailable for `required`."""
     if mode == "off":
         return None
-    if abi_version() < 1:
+    abi = abi_version()
+    if abi < 1:
         if mode == "required":
             raise ConfinementUnavailable(
                 "BACKEND_READ_CONFINEMENT=required, but this kernel has no Landlock"
             )
+        _say_unavailable_once()
+        return None
+    if abi < 2 and mode == "auto":
+        # Landlock's first version refuses every move of a file into another directory,
+        # which breaks caches that rename into place: only `required` confines there.
         _say_unavailable_once()
         return None
     try:
