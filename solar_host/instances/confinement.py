@@ -51,6 +51,7 @@ def handled_access(abi: int) -> int:
     """What a ruleset for this ABI restricts (and grants on the allowed trees)."""
     return READ_ONLY | (ACCESS_REFER if abi >= 2 else 0)
 
+
 # What any backend may read of the system: its libraries, devices, kernel interfaces.
 SYSTEM_TREES = (
     "/usr",
@@ -110,7 +111,15 @@ ETC_ENTRIES = (
     "fonts",
 )
 # Under the backend's HOME: the caches the runtimes keep (HF, torch, triton, CUDA's JIT).
-HOME_TREES = (".cache", ".triton", ".nv", ".deep_gemm", ".local/lib", ".config/vulkan")
+HOME_TREES = (
+    ".cache",
+    ".triton",
+    ".nv",
+    ".deep_gemm",
+    ".local/lib",
+    ".local/share/vulkan",
+    ".config/vulkan",
+)
 
 
 class ConfinementUnavailable(RuntimeError):
