@@ -319,17 +319,22 @@ def test_restore_state_without_a_usable_copy_changes_nothing_and_fails(tmp_path:
 def test_jobs_store_killed_while_saving_loses_no_acknowledged_job(tmp_path: Path) -> None:
     path = tmp_path / "jobs_store.json"
     script = textwrap.dedent(f"""
+        import asyncio
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
         from solar_host.jobs.schemas import JobState, JobStatus
         from solar_host.jobs.store import JobStore
-        store = JobStore(Path({str(path)!r}))
-        store.load()
-        start = int(sys.argv[1])
-        for i in range(start, start + 100000):
-            store.add(JobState(job_id=f"j{{i}}", name="n", status=JobStatus.completed))
-            print(f"j{{i}}", flush=True)  # acknowledged: add() returned after the write
+
+        async def main() -> None:
+            store = JobStore(Path({str(path)!r}))
+            store.load()
+            start = int(sys.argv[1])
+            for i in range(start, start + 100000):
+                await store.add(JobState(job_id=f"j{{i}}", name="n", status=JobStatus.completed))
+                print(f"j{{i}}", flush=True)  # acknowledged: add() returned after the write
+
+        asyncio.run(main())
     """)
     acked: list[str] = []
     rng = random.Random(16)
