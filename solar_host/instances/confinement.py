@@ -173,8 +173,7 @@ def read_policy(
     """What a backend started as `argv` with environment `env` needs to read."""
     from solar_host.model_store.roots import hub_caches
 
-    trees: list[str] = [str(r) for r in roots]
-    trees += SYSTEM_TREES
+    trees: list[str] = list(SYSTEM_TREES)
     trees += [os.path.join("/etc", e) for e in ETC_ENTRIES]
     home = env.get("HOME") or os.path.expanduser("~")
     trees += [os.path.join(home, t) for t in HOME_TREES]
@@ -194,9 +193,10 @@ def read_policy(
     trees += _program_trees(argv[0], env, home) if argv else []
     trees += list(extra)
     # "/" would allow everything (an empty PYTHONPATH entry, a program in the root): the
-    # operator who wants that says BACKEND_READ_CONFINEMENT=off.
-    kept = [t for t in dict.fromkeys(os.path.abspath(t) for t in trees) if t != "/"]
-    return ReadPolicy(tuple(kept), tuple(dict.fromkeys(private_files)))
+    # operator who wants that says so, with BACKEND_READ_CONFINEMENT=off or a model root.
+    kept = [os.path.abspath(r) for r in roots]
+    kept += [t for t in map(os.path.abspath, trees) if t != "/"]
+    return ReadPolicy(tuple(dict.fromkeys(kept)), tuple(dict.fromkeys(private_files)))
 
 
 def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]:
