@@ -4,10 +4,10 @@ files, enforced by the kernel (Landlock, Linux 5.13 and later).
 The roots check (model_store/roots.py) judges every path a config names when it is created and
 again at start, but a backend opens its files later: a symlink re-pointed in between (by a job
 that can write a model root or the HF cache) was followed. Landlock closes that window. The
-host builds a ruleset naming the trees a backend may read, and the child applies it between
-fork and exec (two system calls); it then holds for the backend and everything it starts, at
-every open. Writing is not restricted (caches, temporary files), and a path the ruleset does
-not name is EACCES, whatever link leads there.
+host builds a ruleset naming the trees a backend may read, and the backend is started through
+landlock_exec.py, which applies it and execs the backend; it then holds for the backend and
+everything it starts, at every open. Writing is not restricted (caches, temporary files), and
+a path the ruleset does not name is EACCES, whatever link leads there.
 
 BACKEND_READ_CONFINEMENT: `auto` (the default) confines where the kernel supports it and says
 once in the log where it does not; `required` refuses to start a backend unconfined; `off`
@@ -18,12 +18,13 @@ a home directory, say).
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,21 +277,22 @@ class Ruleset:
             os.close(target)
         return True
 
-    def restrictor(self) -> Callable[[], None]:
-        """The preexec function: runs in the child after fork, before exec. Only two system
-        calls through functions bound here, so nothing in the child allocates or imports
-        (the host has other threads, whose locks a forked child must not wait on)."""
-        prctl, syscall, fd = _libc().prctl, _libc().syscall, self.fd
-        no_new_privs, restrict = _PR_SET_NO_NEW_PRIVS, _SYS_RESTRICT_SELF
-
-        def restrict_self() -> None:
-            if prctl(no_new_privs, 1, 0, 0, 0) != 0 or syscall(restrict, fd, 0) != 0:
-                raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
-
-        return restrict_self
-
     def close(self) -> None:
         os.close(self.fd)
+
+
+def confined_command(argv: Sequence[str], env: Mapping[str, str], ruleset: Ruleset) -> list[str]:
+    """The command that runs `argv` under `ruleset` (landlock_exec.py, by path). The program
+    is looked up here, on the backend's PATH, so a missing one fails the spawn as it would
+    unconfined (FileNotFoundError), not later as an exit code."""
+    import shutil
+
+    program = argv[0]
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    launcher = str(Path(__file__).with_name("landlock_exec.py"))
+    return [sys.executable, "-I", "-S", launcher, str(ruleset.fd), found, *argv]
 
 
 @functools.cache

@@ -77,21 +77,22 @@ def spawn(
     if cwd is not None:
         cwd.mkdir(parents=True, exist_ok=True)
     ruleset = confinement.ruleset_for(confine, reads) if reads is not None else None
+    command, keep = list(argv), ()
+    if ruleset is not None:
+        command, keep = confinement.confined_command(argv, env, ruleset), (ruleset.fd,)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
     try:
         popen = subprocess.Popen(
-            argv,
+            command,
             stdin=subprocess.DEVNULL,
             stdout=fd,
             stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
             close_fds=True,
+            pass_fds=keep,
             cwd=cwd,
-            preexec_fn=ruleset.restrictor() if ruleset is not None else None,
         )
-    except subprocess.SubprocessError as err:  # the restriction failed in the child
-        raise confinement.ConfinementUnavailable(f"cannot confine the backend: {err}") from None
     finally:
         os.close(fd)
         if ruleset is not None:
