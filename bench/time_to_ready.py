@@ -103,7 +103,9 @@ def main() -> int:
     binary = llama_server_binary()
     with tempfile.TemporaryDirectory(prefix="ttr-") as d:
         tmp = Path(d)
-        model = write_tiny_gguf(tmp / "tiny.gguf")
+        # Inside the host's MODELS_DIR: a model outside the roots is refused (ruling 12).
+        (tmp / "host" / "models").mkdir(parents=True)
+        model = write_tiny_gguf(tmp / "host" / "models" / "tiny.gguf")
         direct_once(binary, model, tmp)  # warm the page cache
         direct = [direct_once(binary, model, tmp) for _ in range(args.runs)]
         host = host_runs(binary, model, tmp, args.runs)
