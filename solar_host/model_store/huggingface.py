@@ -11,17 +11,74 @@ is measured from the bytes on disk (`bytes_on_disk`), temporary files included.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from solar_host.model_store.pull import PullError
 
+log = logging.getLogger(__name__)
+
 
 class PullCancelled(Exception):
     """Raised inside a download thread when its pull was cancelled or aborted."""
+
+
+# huggingface_hub asks for the repo info and the file tree with no timeout at all (file
+# downloads have their own): every request of its shared client gets these where it has none.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+_pull_state = threading.local()  # the cancel event of the pull this thread runs
+_client_lock = threading.Lock()
+_client_installed = False
+
+
+def _guard_request(request: Any) -> None:
+    """httpx request hook: stop a cancelled pull at its next request; bound every request."""
+    cancel = getattr(_pull_state, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise PullCancelled("pull cancelled")
+    timeout = dict(request.extensions.get("timeout") or {})
+    for key, default in (
+        ("connect", CONNECT_TIMEOUT_S),
+        ("read", READ_TIMEOUT_S),
+        ("write", READ_TIMEOUT_S),
+        ("pool", READ_TIMEOUT_S),
+    ):
+        if timeout.get(key) is None:
+            timeout[key] = default
+    request.extensions["timeout"] = timeout
+
+
+def _install_client() -> None:
+    global _client_installed
+    with _client_lock:
+        if _client_installed:
+            return
+        _client_installed = True
+        try:  # huggingface_hub 1.0 and later (httpx); the requests-based 0.x has neither
+            from huggingface_hub import set_client_factory
+            from huggingface_hub.utils import _http
+        except ImportError:
+            log.warning(
+                "huggingface_hub %s has no client factory: a Hub that stops answering its "
+                "metadata requests can hold a pull until it is cancelled (upgrade to 1.0+)",
+                getattr(sys.modules.get("huggingface_hub"), "__version__", "?"),
+            )
+            return
+
+        def factory() -> Any:
+            client = _http.default_client_factory()
+            hooks = client.event_hooks
+            hooks["request"] = [*hooks.get("request", []), _guard_request]
+            client.event_hooks = hooks
+            return client
+
+        set_client_factory(factory)
 
 
 def bytes_on_disk(local_dir: Path) -> int:
@@ -70,6 +127,8 @@ def download(
     from huggingface_hub import snapshot_download
 
     local_dir.mkdir(parents=True, exist_ok=True)
+    _install_client()
+    _pull_state.cancel = cancel
     try:
         snapshot_download(
             repo_id=model_id,
@@ -86,6 +145,8 @@ def download(
         if cancel.is_set():
             raise PullCancelled("pull cancelled") from err
         raise map_error(err) from err
+    finally:
+        _pull_state.cancel = None
 
 
 def map_error(err: BaseException) -> PullError:

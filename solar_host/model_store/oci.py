@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import queue
+import re
 import tarfile
 import threading
 from collections.abc import Callable
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 TITLE = "org.opencontainers.image.title"
 UNPACK = "io.deis.oras.content.unpack"
 DIR_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"  # oras: a pushed directory
+# Every request to the registry (and to the token endpoint its challenge names) is bounded.
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0
+# distribution refuses manifests over 4 MiB; a bigger (or endless) one is not read.
+MAX_MANIFEST_BYTES = 4 << 20
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -100,7 +106,7 @@ def parse_registry_url(url: str) -> tuple[str, str]:
 
 class Registry:
     def __init__(
-        self, url: str, username: str, password: str, *, read_timeout_s: float = 60.0
+        self, url: str, username: str, password: str, *, read_timeout_s: float | None = None
     ) -> None:
         import oras.client
 
@@ -114,7 +120,16 @@ class Registry:
         if username or password:
             self.auth.set_basic_auth(username, password)
             self._basic = True
-        self.timeout = (10.0, read_timeout_s)
+        self.timeout = (CONNECT_TIMEOUT_S, read_timeout_s or READ_TIMEOUT_S)
+        # oras' token flow requests the realm without a timeout: give every request one.
+        plain = self.session.request
+
+        def bounded(method: str, url: str, **kw: Any) -> Any:
+            if kw.get("timeout") is None:
+                kw["timeout"] = self.timeout
+            return plain(method, url, **kw)
+
+        self.session.request = bounded  # type: ignore[method-assign]
 
     def _auth_message(self, what: str) -> str:
         """An auth failure naming the registry and the settings that fix it."""
@@ -167,24 +182,56 @@ class Registry:
             ) from None
 
     def manifest(self, repository: str, reference: str) -> tuple[list[Layer], str | None]:
+        import json
+
+        import requests
+
         resp = self.request(
-            "GET", f"/v2/{repository}/manifests/{reference}", {"Accept": ", ".join(MANIFEST_TYPES)}
+            "GET",
+            f"/v2/{repository}/manifests/{reference}",
+            {"Accept": ", ".join(MANIFEST_TYPES)},
+            stream=True,
         )
-        if resp.status_code == 404:
-            raise PullError(404, "not_found", f"Artifact {repository}:{reference} not found")
-        if resp.status_code != 200:
+        try:
+            if resp.status_code == 404:
+                raise PullError(404, "not_found", f"Artifact {repository}:{reference} not found")
+            if resp.status_code != 200:
+                raise PullError(
+                    502,
+                    "source_unreachable",
+                    f"Registry answered {resp.status_code} for the manifest of {repository}",
+                )
+            data = bytearray()
+            try:
+                for chunk in resp.iter_content(64 << 10):
+                    data += chunk
+                    if len(data) > MAX_MANIFEST_BYTES:
+                        raise PullError(
+                            502,
+                            "model_pull_failed",
+                            f"Registry sent a manifest over {MAX_MANIFEST_BYTES >> 20} MiB",
+                        )
+            except requests.exceptions.RequestException as err:
+                raise PullError(
+                    502, "source_unreachable", f"Registry {self.host} unreachable: {err}"
+                ) from None
+        finally:
+            resp.close()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if reference.startswith("sha256:") and reference != digest:
             raise PullError(
                 502,
-                "source_unreachable",
-                f"Registry answered {resp.status_code} for the manifest of {repository}",
+                "model_pull_failed",
+                f"Pulled artifact integrity check failed: manifest digest mismatch "
+                f"(got {digest}, want {reference})",
             )
         try:
-            body = resp.json()
-        except ValueError:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
             raise PullError(
                 502, "model_pull_failed", "Registry sent an unreadable manifest"
             ) from None
-        return parse_layers(body), resp.headers.get("Docker-Content-Digest")
+        return parse_layers(body), digest
 
     def fetch_blob(
         self, repository: str, layer: Layer, blobs: Path, counter: ByteCounter, cancel: CancelToken
@@ -492,15 +539,25 @@ def _abort(resp: Any) -> None:
     resp.close()
 
 
-def parse_layers(manifest: dict[str, Any]) -> list[Layer]:
+def parse_layers(manifest: Any) -> list[Layer]:
+    def bad(what: str) -> PullError:
+        return PullError(502, "model_pull_failed", f"Registry sent a malformed manifest: {what}")
+
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers") or [], list):
+        raise bad("not an object with a list of layers")
     layers = []
     for raw in manifest.get("layers") or []:
         if not isinstance(raw, dict):
             continue
         digest = str(raw.get("digest") or "")
-        if not digest.startswith("sha256:") or len(digest) != 71:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
             raise PullError(502, "model_pull_failed", f"unsupported layer digest {digest!r}")
+        size = raw.get("size") or 0
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad(f"layer {digest} has size {size!r}")
         ann = raw.get("annotations") or {}
+        if not isinstance(ann, dict):
+            raise bad(f"layer {digest} has annotations {ann!r}")
         title = ann.get(TITLE)
         if not title:
             log.warning("layer %s has no title annotation; skipped", digest)
@@ -508,7 +565,7 @@ def parse_layers(manifest: dict[str, Any]) -> list[Layer]:
         layers.append(
             Layer(
                 digest=digest,
-                size=int(raw.get("size") or 0),
+                size=size,
                 title=safe_relative(str(title)),
                 unpack=str(ann.get(UNPACK, "")).lower() == "true"
                 or raw.get("mediaType") == DIR_LAYER,
@@ -516,11 +573,54 @@ def parse_layers(manifest: dict[str, Any]) -> list[Layer]:
         )
     if not layers:
         raise PullError(502, "model_pull_failed", "artifact has no files (no titled layers)")
+    titles = {x.title for x in layers}
+    for t in titles:
+        parts = t.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in titles:
+                raise PullError(
+                    502,
+                    "model_pull_failed",
+                    f"artifact file names {'/'.join(parts[:i])!r} and {t!r} collide",
+                )
     return layers
 
 
-def assemble(layers: list[Layer], blobs: Path, tree: Path) -> None:
-    """Place verified blobs under their titles in `tree` (unpacking directory layers)."""
+def _safe_member(room: Callable[[int], None] | None) -> Callable[[Any, str], Any]:
+    """The tarfile 'data' filter, plus what it misses on older Pythons (CVE-2025-4517: links
+    that os.path.realpath gives up expanding): no `..` in any member name or link target, so
+    nothing can climb out of the destination whatever links it makes; and `room(size)` before
+    each file, so an archive that inflates past the disk floor stops."""
+
+    def check(member: Any, dest: str) -> Any:
+        name = member.name
+        if ".." in name.replace("\\", "/").split("/"):
+            raise PullError(
+                502, "model_pull_failed", f"archive member {name!r} escapes the model directory"
+            )
+        if member.issym() or member.islnk():
+            link = member.linkname
+            if link.startswith("/") or ".." in link.replace("\\", "/").split("/"):
+                raise PullError(
+                    502,
+                    "model_pull_failed",
+                    f"archive link {name!r} -> {link!r} escapes the model directory",
+                )
+        member = tarfile.data_filter(member, dest)
+        if room is not None and member.isfile():
+            room(member.size)
+        return member
+
+    return check
+
+
+def assemble(
+    layers: list[Layer], blobs: Path, tree: Path, room: Callable[[int], None] | None = None
+) -> None:
+    """Place verified blobs under their titles in `tree` (unpacking directory layers).
+
+    `room(n)` is called before `n` more bytes are unpacked and raises when they do not fit.
+    """
     tree.mkdir(parents=True, exist_ok=True)
     used: set[str] = set()
     for layer in layers:
@@ -530,7 +630,7 @@ def assemble(layers: list[Layer], blobs: Path, tree: Path) -> None:
             dest_dir = (tree / layer.title).parent
             dest_dir.mkdir(parents=True, exist_ok=True)
             with tarfile.open(blob, "r:*") as tf:
-                tf.extractall(dest_dir, filter="data")
+                tf.extractall(dest_dir, filter=_safe_member(room))
             continue
         dest = tree / layer.title
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -250,9 +250,18 @@ def safe_relative(title: str) -> str:
     if not title or "\x00" in title or "\\" in title:
         raise PullError(502, "model_pull_failed", f"artifact file name {title!r} is not allowed")
     p = PurePosixPath(title)
-    if p.is_absolute() or re.match(r"^[A-Za-z]:", title) or any(x in ("..", ".") for x in p.parts):
+    if (
+        p.is_absolute()
+        or re.match(r"^[A-Za-z]:", title)
+        or not p.parts
+        or any(x in ("..", ".") for x in p.parts)
+    ):
         raise PullError(
             502, "model_pull_failed", f"artifact file name {title!r} escapes the model directory"
+        )
+    if any(len(os.fsencode(x)) > 255 for x in p.parts):
+        raise PullError(
+            502, "model_pull_failed", f"artifact file name {title[:80]!r}... is too long"
         )
     return p.as_posix()
 

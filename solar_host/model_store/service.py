@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fnmatch
 import logging
 import os
@@ -203,6 +204,17 @@ class ModelStore:
             harbor_host = oci.parse_registry_url(s.harbor_url)[1]
         slug = check_request(req, harbor_host)
         base = req.base_uri
+        # repo://a--b:c and repo://a:b--c share a slug: one must never replace the other's files.
+        others = [e.source_uri for e in self.manifest.entries() if e.slug == slug]
+        others += [b for b in self._jobs if b != base and slug_for_safe(b) == slug]
+        others = [o for o in others if o != base]
+        if others:
+            raise PullError(
+                409,
+                "conflict",
+                f"{base} and {others[0]} would share the model directory {slug}; "
+                f"delete {slug} first",
+            )
         key = (base, tuple(req.filters) if req.filters is not None else None)
         for _ in range(8):
             entry = await asyncio.to_thread(self._usable_entry, base, req)
@@ -374,13 +386,29 @@ class ModelStore:
             for r in job.reporters:
                 r.phase("verifying")  # blobs were hashed while streaming; now place the files
                 r.phase("finalizing")
-            entry = await asyncio.to_thread(
-                self._finalize, job, req, slug, partial, target, layers, filters, manifest_digest
-            )
+            try:
+                entry = await asyncio.to_thread(
+                    self._finalize,
+                    job,
+                    req,
+                    slug,
+                    partial,
+                    target,
+                    layers,
+                    filters,
+                    manifest_digest,
+                    floor,
+                )
+            except OSError as err:
+                if err.errno == errno.ENOSPC:
+                    raise PullError(
+                        507, "insufficient_storage", "Insufficient disk space."
+                    ) from err
+                raise
             ok = True
             return entry
         except PullError as err:
-            if err.status_code in (401, 404) and not topup:
+            if err.status_code in (401, 404, 507) and not topup:
                 await asyncio.to_thread(shutil.rmtree, partial, True)
             raise
         finally:
@@ -463,13 +491,24 @@ class ModelStore:
         layers: list[oci.Layer],
         filters: list[str] | None,
         manifest_digest: str | None,
+        floor: int = 0,
     ) -> ManifestEntry:
         file_digests: dict[str, str] | None = None
         if layers:
             tree = partial / "tree"
             if tree.exists():
                 shutil.rmtree(tree)
-            oci.assemble(layers, partial / "blobs", tree)
+
+            def room(n: int) -> None:
+                free = self._free_bytes()
+                if free is not None and free - n < floor:
+                    raise PullError(
+                        507,
+                        "insufficient_storage",
+                        "Insufficient disk space while unpacking the artifact.",
+                    )
+
+            oci.assemble(layers, partial / "blobs", tree, room)
             file_digests = {x.title: x.digest for x in layers if not x.unpack}
             src = tree
         else:

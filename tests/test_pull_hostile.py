@@ -1,0 +1,552 @@
+# ruff: noqa: ASYNC240  (tests inspect files on disk between awaits)
+"""Model pulls against a hostile or broken remote (adversarial review).
+
+A small OCI registry stand-in (`HostileRegistry`, stdlib http.server on 127.0.0.1) serves
+whatever manifests and blobs a test puts in it, with per-path hooks; the HF side reuses
+tests/fixtures/fakehub.py. Every wait is bounded and every server is loopback only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gzip
+import hashlib
+import io
+import json
+import os
+import socket
+import sys
+import tarfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from solar_host.model_store import huggingface, oci
+from solar_host.model_store.huggingface import bytes_on_disk
+from solar_host.model_store.pull import PullError
+from solar_host.model_store.service import ModelStore
+from solar_host.resources.probes import Usage
+from solar_host.settings import Settings
+from tests.fixtures.fakehub import FakeHub
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
+
+MB = 1 << 20
+
+
+class HostileRegistry:
+    """The OCI distribution API's two GET routes, serving dicts; `handlers` override a path."""
+
+    def __init__(self) -> None:
+        self.manifests: dict[tuple[str, str], bytes] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.handlers: dict[str, object] = {}
+        reg = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self) -> None:
+                reg._handle(self)
+
+            def do_HEAD(self) -> None:
+                reg._handle(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def add_blob(self, data: bytes) -> str:
+        d = "sha256:" + hashlib.sha256(data).hexdigest()
+        self.blobs[d] = data
+        return d
+
+    def manifest_for(self, files: list[tuple[str, bytes, bool]]) -> bytes:
+        layers = []
+        for title, data, unpack in files:
+            ann = {"org.opencontainers.image.title": title}
+            if unpack:
+                ann["io.deis.oras.content.unpack"] = "true"
+            layers.append(
+                {
+                    "mediaType": "application/vnd.oci.image.layer.v1.tar"
+                    + ("+gzip" if unpack else ""),
+                    "digest": self.add_blob(data),
+                    "size": len(data),
+                    "annotations": ann,
+                }
+            )
+        cfg = self.add_blob(b"{}")
+        return json.dumps(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {
+                    "mediaType": "application/vnd.oci.empty.v1+json",
+                    "digest": cfg,
+                    "size": 2,
+                },
+                "layers": layers,
+            }
+        ).encode()
+
+    def add_artifact(self, repo: str, tag: str, files: list[tuple[str, bytes, bool]]) -> bytes:
+        body = self.manifest_for(files)
+        self.manifests[(repo, tag)] = body
+        return body
+
+    def send(self, h, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        h.send_response(status)
+        h.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+
+    def _handle(self, h) -> None:
+        path = urlsplit(h.path).path
+        if path in self.handlers:
+            self.handlers[path](h)  # type: ignore[operator]
+            return
+        if path == "/v2/":
+            self.send(h, 200, b"{}")
+            return
+        parts = path.split("/")
+        if "manifests" in parts:
+            i = parts.index("manifests")
+            key = ("/".join(parts[2:i]), parts[i + 1])
+            if key in self.manifests:
+                ctype = {"Content-Type": "application/vnd.oci.image.manifest.v1+json"}
+                self.send(h, 200, self.manifests[key], ctype)
+                return
+        if "blobs" in parts and parts[-1] in self.blobs:
+            self.send(h, 200, self.blobs[parts[-1]])
+            return
+        self.send(h, 404, b"{}")
+
+
+@pytest.fixture
+def hreg():
+    r = HostileRegistry()
+    yield r
+    r.stop()
+
+
+class StallServer:
+    """Accepts TCP connections on loopback and never answers (until closed)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in list(self.conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+
+@pytest.fixture
+def stall():
+    s = StallServer()
+    yield s
+    s.close()
+
+
+def store_for(tmp_path: Path, registry_url: str = "", **kw) -> ModelStore:
+    probe = kw.pop("probe", None)
+    s = Settings(
+        models_dir=tmp_path / "models",
+        min_free_disk_gb=kw.pop("min_free_disk_gb", 0),
+        pull_progress_interval_s=0.05,
+        pull_disk_poll_interval_s=0.05,
+        harbor_url=registry_url,
+        harbor_username=kw.pop("harbor_username", ""),
+        harbor_password=kw.pop("harbor_password", ""),
+        **kw,
+    )
+    return ModelStore(s, probe=probe)
+
+
+def harbor(name: str, version: str = "v1", ref: str | None = None, **kw) -> dict:
+    return {
+        "source": "harbor",
+        "source_uri": f"repo://{name}:{version}",
+        "harbor_ref": ref or f"proj/{name}:{version}",
+        **kw,
+    }
+
+
+def escape_tar(dest_len: int, up: int, name: str, content: bytes) -> bytes:
+    """A tar that the 'data' filter of Python < 3.11.13 lets write `<dest>/..(up times)/name`
+    (CVE-2025-4517: symlinks that os.path.realpath stops expanding past PATH_MAX)."""
+    steps = "abcdefghijklmnop"
+    comp = "d" * ((4096 - (dest_len + 1)) // (len(steps) + 1))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+
+        def add(n: str, typ: bytes = tarfile.REGTYPE, link: str = "", data: bytes = b"") -> None:
+            ti = tarfile.TarInfo(n)
+            ti.type = typ
+            ti.linkname = link
+            ti.mode = 0o755 if typ == tarfile.DIRTYPE else 0o644
+            if typ == tarfile.REGTYPE:
+                ti.size = len(data)
+                tar.addfile(ti, io.BytesIO(data))
+            else:
+                tar.addfile(ti)
+
+        path = ""
+        for s in steps:
+            add(os.path.join(path, comp), tarfile.DIRTYPE)
+            add(os.path.join(path, s), tarfile.SYMTYPE, comp)
+            path = os.path.join(path, comp)
+        linkpath = os.path.join(*steps, "l" * 254)
+        add(linkpath, tarfile.SYMTYPE, os.path.join(*[".."] * len(steps)))
+        add("escape", tarfile.SYMTYPE, os.path.join(linkpath, *[".."] * up))
+        add(os.path.join("escape", name), data=content)
+    return gzip.compress(buf.getvalue())
+
+
+def zeros_tar_gz(member: str, size: int) -> bytes:
+    class Zeros(io.RawIOBase):
+        left = size
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b) -> int:
+            n = min(len(b), self.left)
+            b[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz", compresslevel=9) as tf:
+        ti = tarfile.TarInfo(member)
+        ti.size = size
+        tf.addfile(ti, io.BufferedReader(Zeros()))
+    return raw.getvalue()
+
+
+# --- 1. unpacked layers write outside MODELS_DIR ----------------------------------------------
+
+
+async def test_unpack_layer_cannot_write_outside_models_dir(tmp_path, hreg):
+    """Ruling 12: a directory layer from the registry must land inside the model directory,
+    whatever its links do; the tarfile 'data' filter of this Python can be bypassed."""
+    models = tmp_path / "models"
+    tree = models / ".partial" / "repo--evil--v1" / "tree"  # where the layer is unpacked
+    victim = tmp_path / "pwned.txt"  # models/.partial/<slug>/tree -> 4 levels up
+    hreg.add_artifact(
+        "proj/evil", "v1", [("model", escape_tar(len(str(tree)), 4, victim.name, b"x"), True)]
+    )
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("evil")), 30)
+    assert err.value.status_code == 502
+    assert not victim.exists(), "the registry wrote a file outside MODELS_DIR"
+    assert store.list_models() == []
+
+
+# --- 2. a decompression bomb is not held to the disk floor; ENOSPC while placing files -------
+
+
+async def test_unpack_layer_is_held_to_the_disk_floor(tmp_path, hreg):
+    """A 250 KB layer that unpacks to 96 MiB on a (simulated) 64 MiB disk: the unpacking must
+    stop at MIN_FREE_DISK_GB with a 507, as a download does, and leave nothing behind."""
+    models = tmp_path / "models"
+    cap = 64 * MB
+
+    class Disk:
+        def disk(self, p):
+            used = bytes_on_disk(models) if models.exists() else 0
+            return Usage(total_bytes=cap, used_bytes=used, available_bytes=max(0, cap - used))
+
+    hreg.add_artifact("proj/bomb", "v1", [("model", zeros_tar_gz("model/w.bin", 96 * MB), True)])
+    store = store_for(tmp_path, hreg.url, probe=Disk(), min_free_disk_gb=8 / 1024)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("bomb")), 60)
+    assert err.value.status_code == 507
+    assert bytes_on_disk(models) < cap
+    assert store.list_models() == []
+
+
+async def test_enospc_while_placing_files_is_507(tmp_path, hreg, monkeypatch):
+    """A full disk while the verified blobs are placed/unpacked is a 507, like one mid-download
+    (the reference: OSError ENOSPC -> 507), not a 500 with the errno text."""
+    hreg.add_artifact("proj/full", "v1", [("m.gguf", os.urandom(1000), False)])
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(oci, "assemble", full)
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    events: list[dict] = []
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("full"), events.append), 30)
+    assert (err.value.status_code, err.value.error) == (507, "insufficient_storage")
+    assert [e["phase"] for e in events if e["phase"] in ("completed", "failed")] == ["failed"]
+    assert store.list_models() == []
+
+
+# --- 3. manifests: size, shape, digest --------------------------------------------------------
+
+
+async def test_manifest_body_is_size_bounded(tmp_path, hreg):
+    """A registry streaming an endless manifest must be cut off (distribution caps manifests at
+    4 MiB), not read whole into memory."""
+    sent = {"n": 0}
+
+    def endless(h) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        chunk = b" " * MB
+        try:
+            for _ in range(64):
+                h.wfile.write(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+                sent["n"] += len(chunk)
+            h.wfile.write(b'e\r\n{"layers": []}\r\n0\r\n\r\n')
+        except OSError:
+            pass
+
+    hreg.handlers["/v2/proj/huge/manifests/v1"] = endless
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("huge")), 60)
+    assert err.value.status_code == 502
+    assert sent["n"] < 24 * MB, f"read {sent['n'] >> 20} MiB of manifest"
+
+
+DIGEST0 = "sha256:" + "0" * 64
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-nesting"),
+        pytest.param(b"[1, 2]", id="not-an-object"),
+        pytest.param(
+            json.dumps(
+                {"layers": [{"digest": DIGEST0, "size": "big", "annotations": {oci.TITLE: "x"}}]}
+            ).encode(),
+            id="size-not-a-number",
+        ),
+        pytest.param(
+            json.dumps(
+                {"layers": [{"digest": DIGEST0, "size": -5, "annotations": {oci.TITLE: "x"}}]}
+            ).encode(),
+            id="negative-size",
+        ),
+    ],
+)
+async def test_malformed_manifest_is_a_502(tmp_path, hreg, body):
+    """A manifest the registry got wrong is the registry's fault: 502 model_pull_failed, not a
+    500 carrying a Python exception's text (or a host path)."""
+    hreg.manifests[("proj/bad", "v1")] = body
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("bad")), 30)
+    assert (err.value.status_code, err.value.error) == (502, "model_pull_failed"), err.value.detail
+    assert str(tmp_path) not in err.value.detail
+
+
+@pytest.mark.parametrize(
+    "titles",
+    [
+        pytest.param(["."], id="dot"),
+        pytest.param(["x" * 300], id="name-too-long"),
+        pytest.param(["a", "a/b"], id="file-and-dir-collide"),
+    ],
+)
+async def test_unplaceable_layer_titles_are_a_502(tmp_path, hreg, titles):
+    hreg.add_artifact(
+        "proj/titles", "v1", [(t, f"content {i}".encode(), False) for i, t in enumerate(titles)]
+    )
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("titles")), 30)
+    assert (err.value.status_code, err.value.error) == (502, "model_pull_failed"), err.value.detail
+    assert str(tmp_path) not in err.value.detail
+
+
+async def test_digest_pinned_ref_gets_exactly_that_manifest(tmp_path, hreg):
+    """harbor_ref `proj/name@sha256:D` pins content: a registry answering with another manifest
+    must be refused, not stored under the pin."""
+    good = hreg.manifest_for([("m.gguf", b"GOOD" * 100, False)])
+    pinned = "sha256:" + hashlib.sha256(good).hexdigest()
+    hreg.manifests[("proj/pin", pinned)] = hreg.manifest_for([("m.gguf", b"EVIL" * 100, False)])
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("pin", ref=f"proj/pin@{pinned}")), 30)
+    assert err.value.status_code == 502
+    assert store.list_models() == []
+
+
+# --- 4. two artifacts, one directory ------------------------------------------------------------
+
+
+async def test_artifacts_sharing_a_slug_do_not_clobber_each_other(tmp_path, hreg):
+    """repo://a--b:c and repo://a:b--c both map to MODELS_DIR/repo--a--b--c. Pulling the second
+    must not delete the first's files under its still-listed manifest entry."""
+    hreg.add_artifact("proj/a--b", "c", [("first.gguf", os.urandom(1000), False)])
+    hreg.add_artifact("proj/a", "b--c", [("second.gguf", os.urandom(2000), False)])
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    first = await store.pull(harbor("a--b", "c"))
+    assert Path(first["path"], "first.gguf").is_file()
+    try:
+        await asyncio.wait_for(store.pull(harbor("a", "b--c")), 30)
+    except PullError as err:  # refusing the second pull is fine
+        assert err.status_code in (409, 422), err.detail
+    assert Path(first["path"], "first.gguf").is_file(), "the other pull deleted this model"
+    for m in store.list_models():
+        names = {f["name"] for f in m["files"]}
+        want = "first.gguf" if m["source_uri"] == "repo://a--b:c" else "second.gguf"
+        assert want in names, (m["source_uri"], names)
+
+
+# --- 5. a peer that never answers ----------------------------------------------------------------
+
+
+async def test_token_realm_that_never_answers_is_bounded(tmp_path, hreg, stall, monkeypatch):
+    """The registry's Bearer challenge names the token endpoint (the realm); one that accepts
+    the connection and never answers must time out like every other registry request."""
+    monkeypatch.setattr(oci, "READ_TIMEOUT_S", 2.0, raising=False)
+    challenge = {"Www-Authenticate": f'Bearer realm="{stall.url}/token",service="reg"'}
+    hreg.handlers["/v2/proj/locked/manifests/v1"] = lambda h: hreg.send(h, 401, b"{}", challenge)
+    store = store_for(tmp_path, hreg.url, harbor_username="alice", harbor_password="s3cret")
+    await store.start()
+    try:
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(harbor("locked")), 30)
+        assert err.value.status_code == 502
+    finally:
+        stall.close()  # unblock a worker left waiting (before the event loop is torn down)
+        await asyncio.sleep(0.5)
+
+
+async def test_hub_api_that_never_answers_is_bounded(tmp_path, stall, monkeypatch):
+    """snapshot_download asks the Hub for the repo info and file tree with no timeout at all; a
+    Hub that accepts the connection and never answers must not hang the pull forever."""
+    monkeypatch.setattr(huggingface, "READ_TIMEOUT_S", 2.0, raising=False)
+    store = store_for(tmp_path, hf_endpoint=stall.url)
+    await store.start()
+    req = {
+        "source": "huggingface",
+        "source_uri": "huggingface://acme/tiny",
+        "model_id": "acme/tiny",
+    }
+    try:
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(req), 30)
+        assert err.value.status_code == 502
+    finally:
+        stall.close()  # unblock a worker left waiting (before the event loop is torn down)
+        await asyncio.sleep(0.5)
+
+
+class EndlessTreeHub(FakeHub):
+    """A Hub whose file listing never ends: every page links to a next one."""
+
+    pages = 0
+
+    def _handle(self, h, head):
+        self.__dict__.setdefault("conns", []).append(h.connection)
+        path = urlsplit(h.path).path
+        if "/tree/" not in path:
+            return super()._handle(h, head)
+        self.pages += 1
+        body = json.dumps(
+            [{"type": "file", "path": f"f{self.pages}.bin", "size": 1, "oid": "0" * 40}]
+        ).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        port = h.server.server_address[1]
+        h.send_header("Link", f'<http://127.0.0.1:{port}{path}?cursor={self.pages}>; rel="next"')
+        h.end_headers()
+        h.wfile.write(body)
+        return None
+
+
+async def test_cancel_stops_a_pull_stuck_in_the_hub_listing(tmp_path):
+    """Cancelling a pull must stop its worker: after cancel() returns, the host makes no more
+    requests (a resumed pull would otherwise race a live writer in the same .partial dir)."""
+    root = tmp_path / "hub"
+    (root / "acme" / "tiny").mkdir(parents=True)
+    (root / "acme" / "tiny" / "config.json").write_text("{}")
+    hub = EndlessTreeHub(root).start()
+    try:
+        store = store_for(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        req = {
+            "source": "huggingface",
+            "source_uri": "huggingface://acme/tiny",
+            "model_id": "acme/tiny",
+        }
+        task = asyncio.create_task(store.pull(req))
+        deadline = time.monotonic() + 20
+        while hub.pages < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert hub.pages >= 20
+        t0 = time.monotonic()
+        assert store.cancel(req["source_uri"])
+        with pytest.raises((PullError, asyncio.CancelledError)):
+            await asyncio.wait_for(task, 45)
+        took = time.monotonic() - t0
+        before = hub.pages
+        await asyncio.sleep(1.0)
+        assert hub.pages - before <= 1, "the cancelled pull's worker is still listing"
+        assert took < 10, f"cancel took {took:.1f} s"
+    finally:
+        hub.stop()
+        for c in hub.__dict__.get("conns", []):  # unblock a worker left reading
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
