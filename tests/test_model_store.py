@@ -668,6 +668,23 @@ async def test_hf_pull_filters_topup_and_cache(tmp_path, hub):
     assert (await store.pull(hf_req(file_filters=["*.txt"])))["cached"] is True
 
 
+async def test_a_directory_the_store_did_not_record_is_kept_aside(tmp_path, hub):
+    """An operator's own directory that happens to have a pull's name was deleted by the pull
+    (as "stale"); it is moved aside instead, and the pull takes its place."""
+    store = make_store(tmp_path, hf_endpoint=hub.url)
+    await store.start()
+    mine = store.models_dir / "hf--acme--tiny"
+    mine.mkdir(parents=True)
+    (mine / "my-notes.txt").write_text("mine")
+    res = await store.pull(hf_req(file_filters=["*.json"]))
+    assert res["path"] == str(mine) and (mine / "config.json").exists()
+    [aside] = [p for p in store.models_dir.iterdir() if p.name.startswith("hf--acme--tiny.kept-")]
+    assert (aside / "my-notes.txt").read_text() == "mine"
+    # Its own older copy is replaced, not kept (a full pull after a filtered one).
+    await store.pull(hf_req())
+    assert [p.name for p in store.models_dir.iterdir() if ".kept-" in p.name] == [aside.name]
+
+
 async def test_hf_errors_and_token(tmp_path, hub_root):
     hub = FakeHub(hub_root, token="hf_right").start()
     try:

@@ -516,7 +516,21 @@ class ModelStore:
         files = inventory(src)
         sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
         if target.exists():
-            shutil.rmtree(target)  # a stale directory without a manifest entry
+            previous = self.manifest.get_slug(slug)
+            if previous is not None and previous.source_uri == req.base_uri:
+                shutil.rmtree(target)  # this source's older copy, replaced
+            else:
+                # Not a directory this store recorded (someone's own files, or a pull killed
+                # between placing its files and recording them): kept aside, never erased.
+                aside = target.with_name(f"{slug}.kept-{time.strftime('%Y%m%dT%H%M%S')}")
+                os.replace(target, aside)
+                log.warning(
+                    "%s held files this store did not record; moved to %s before the pull of "
+                    "%s took its place",
+                    target,
+                    aside,
+                    req.base_uri,
+                )
         os.replace(src, target)
         if src != partial:
             shutil.rmtree(partial, ignore_errors=True)
