@@ -31,8 +31,8 @@ from solar_host.model_store.huggingface import bytes_on_disk
 from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
 from solar_host.resources.probes import Usage
-from solar_host.settings import Settings
 from tests.fixtures.fakehub import FakeHub
+from tests.test_model_store import make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
@@ -189,18 +189,7 @@ def stall():
 
 
 def store_for(tmp_path: Path, registry_url: str = "", **kw) -> ModelStore:
-    probe = kw.pop("probe", None)
-    s = Settings(
-        models_dir=tmp_path / "models",
-        min_free_disk_gb=kw.pop("min_free_disk_gb", 0),
-        pull_progress_interval_s=0.05,
-        pull_disk_poll_interval_s=0.05,
-        harbor_url=registry_url,
-        harbor_username=kw.pop("harbor_username", ""),
-        harbor_password=kw.pop("harbor_password", ""),
-        **kw,
-    )
-    return ModelStore(s, probe=probe)
+    return make_store(tmp_path, harbor_url=registry_url, **kw)
 
 
 def harbor(name: str, version: str = "v1", ref: str | None = None, **kw) -> dict:
