@@ -362,6 +362,13 @@ class Settings(BaseModel):
         return [self.models_dir, *extra]
 
     @property
+    def backend_extra_read_dirs(self) -> list[str]:
+        """BACKEND_READ_PATHS, and the SGLang prompt cache root: trees backends may read
+        beyond the model roots and their runtime."""
+        extra = [p.strip() for p in self.backend_read_paths.split(",") if p.strip()]
+        return extra + ([self.sglang_prompt_cache_dir] if self.sglang_prompt_cache_dir else [])
+
+    @property
     def control_echo_delays(self) -> list[float]:
         return _echo_delays(self.control_report_echo_s)
 

@@ -51,3 +51,12 @@ def scrub(value: Any, depth: int = 0) -> Any:
     if isinstance(value, (list, tuple)):
         return [scrub(v, depth + 1) for v in value]
     return value
+
+
+NOT_UNICODE = "must be valid Unicode text (a lone UTF-16 surrogate is not)"
+
+
+def refusal(loc: tuple[Any, ...], prefix: str = "") -> str:
+    """The error naming where unencodable text was found: `body.config.x: must be ...`."""
+    where = ".".join(str(x) for x in (prefix, *loc) if x != "")
+    return f"{where or 'body'}: {NOT_UNICODE}"

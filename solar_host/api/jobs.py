@@ -30,7 +30,7 @@ from solar_host.jobs.service import (
     JobService,
 )
 from solar_host.jobs.workspace import InsufficientDiskError, WorkspaceError
-from solar_host.textsafe import unencodable
+from solar_host.textsafe import refusal, unencodable
 
 router = APIRouter(tags=["jobs"])
 
@@ -112,10 +112,7 @@ async def submit_job(request: Request) -> Any:
         raise HTTPException(400, "body: a JSON object (JobDefinition) is required")
     bad = unencodable(data)
     if bad is not None:  # no Unicode text: the container would get something else (U+FFFD)
-        where = ".".join(str(x) for x in bad)
-        raise HTTPException(
-            400, f"body.{where}: must be valid Unicode text (a lone UTF-16 surrogate is not)"
-        )
+        raise HTTPException(400, refusal(bad, "body"))
     try:
         job = JobDefinition.model_validate(data)
     except ValidationError as err:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from solar_host.model_store.pull import PullError, PullRequest
 from solar_host.model_store.service import StoreError
-from solar_host.textsafe import scrub, unencodable
+from solar_host.textsafe import refusal, scrub, unencodable
 
 router = APIRouter(tags=["models"])
 
@@ -82,9 +82,7 @@ async def pull_model(request: Request) -> Any:
     bad = unencodable(raw)
     if bad is not None:
         # A lone surrogate (JSON "\\ud800") cannot be echoed, logged or written to a manifest.
-        loc = ".".join(str(x) for x in bad) or "body"
-        detail = f"{loc}: must be valid Unicode text (a lone UTF-16 surrogate is not)"
-        err = PullError(422, "invalid_request", detail)
+        err = PullError(422, "invalid_request", refusal(bad))
         return JSONResponse(err.body(uri), status_code=422)
     try:
         req = PullRequest.model_validate(raw)

@@ -28,7 +28,7 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
-from solar_host.textsafe import unencodable
+from solar_host.textsafe import NOT_UNICODE, unencodable
 from solar_host.tracked import Tracked
 
 InstanceConfig = Annotated[
@@ -211,9 +211,7 @@ def parse_config(
     if bad is not None:
         # A lone surrogate (JSON "\\ud800") would be kept in memory and then fail every
         # write of config.json and every answer that echoes the config.
-        raise _error(
-            bad, "must be valid Unicode text (a lone UTF-16 surrogate is not)", "string_unicode"
-        )
+        raise _error(bad, NOT_UNICODE, "string_unicode")
     raw = migrate_config(raw)
     bt = raw.get("backend_type")
     if bt not in BACKEND_TYPES:

@@ -163,15 +163,9 @@ class Supervisor:
         last: AttemptFailed | None = None
         try:
             if not self.stored.want_running:
-                # What is wanted is on disk before anything is spawned, as for a stop: a start
-                # the next boot would forget (and whose backend it would end as a stray) is
-                # refused with 507, and nothing runs.
-                self.stored.want_running = True
-                try:
-                    await self.m.persist_or_raise()
-                except NotPersisted:
-                    self.stored.want_running = False
-                    raise
+                # A start the next boot would forget (and whose backend it would end as a
+                # stray) is refused with 507, and nothing runs.
+                await self._record_intent(True)
             for attempt in range(attempts):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -297,34 +291,30 @@ class Supervisor:
         spawned_at = time.monotonic()
         try:
             write_private_files(spec.private_files)
+
             # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
             # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
             # transformers tries as a directory first, an SGLang path) is then the file the
             # roots check judged, never one beside wherever the host was started (ruling 12).
-            reads = confinement.read_policy(
-                roots=settings.model_root_dirs,
-                argv=spec.argv,
-                env=env,
-                private_files=spec.private_files,
-                extra=[
-                    *(p.strip() for p in settings.backend_read_paths.split(",") if p.strip()),
-                    *(
-                        [settings.sglang_prompt_cache_dir]
-                        if settings.sglang_prompt_cache_dir
-                        else []
-                    ),
-                ],
-            )
-            proc = await _off_loop(
-                procs.spawn,
-                spec.argv,
-                env,
-                log_path,
-                settings.models_dir,
-                reads,
-                settings.backend_read_confinement,
-                undo=_kill_unrecorded,
-            )
+            def spawn() -> procs.BackendProcess:
+                # What the backend may read is worked out here too (PATH lookups, links).
+                reads = confinement.read_policy(
+                    roots=settings.model_root_dirs,
+                    argv=spec.argv,
+                    env=env,
+                    private_files=spec.private_files,
+                    extra=settings.backend_extra_read_dirs,
+                )
+                return procs.spawn(
+                    spec.argv,
+                    env,
+                    log_path,
+                    settings.models_dir,
+                    reads,
+                    settings.backend_read_confinement,
+                )
+
+            proc = await _off_loop(spawn, undo=_kill_unrecorded)
         except confinement.ConfinementUnavailable as err:
             self.m.ports.release(port)
             raise AttemptFailed(str(err), None, retryable=False) from None
@@ -623,20 +613,24 @@ class Supervisor:
         if task is not None and not task.done():
             task.cancel()
 
+    async def _record_intent(self, wanted: bool) -> None:
+        """Put `want_running` on disk before acting on it; NotPersisted (507) leaves it as
+        it was, so nothing is started or stopped that the next boot would undo."""
+        self.stored.want_running = wanted
+        try:
+            await self.m.persist_or_raise()
+        except NotPersisted:
+            self.stored.want_running = not wanted
+            raise
+
     async def stop(self, *, forget_intent: bool = True) -> Any:
         """Stop the backend (idempotent). `forget_intent=False` is a host shutdown: the
         instance is remembered as wanted, so the next boot starts it again."""
         async with self.lock:
             if forget_intent and self.stored.want_running:
-                # What is wanted is on disk before anything is stopped: a stop the next boot
-                # would undo (it starts what config.json says is wanted) is refused, with 507,
-                # and the backend keeps serving.
-                self.stored.want_running = False
-                try:
-                    await self.m.persist_or_raise()
-                except NotPersisted:
-                    self.stored.want_running = True
-                    raise
+                # A stop the next boot would undo (it starts what config.json says is wanted)
+                # is refused with 507, and the backend keeps serving.
+                await self._record_intent(False)
             self._cancel(self.restart_task)
             self.restart_task = None
             task = self.start_task
