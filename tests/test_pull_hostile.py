@@ -539,3 +539,28 @@ async def test_cancel_stops_a_pull_stuck_in_the_hub_listing(tmp_path):
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+
+async def test_an_endless_hub_listing_fails_the_pull(tmp_path, monkeypatch):
+    """A Hub whose listing always links to a next page: the pull fails with a 502 saying so
+    after MAX_LISTING_PAGES pages, instead of listing until someone cancels it."""
+    monkeypatch.setattr(huggingface, "MAX_LISTING_PAGES", 40)
+    root = tmp_path / "hub"
+    (root / "acme" / "tiny").mkdir(parents=True)
+    (root / "acme" / "tiny" / "config.json").write_text("{}")
+    hub = EndlessTreeHub(root).start()
+    try:
+        store = store_for(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        req = {
+            "source": "huggingface",
+            "source_uri": "huggingface://acme/tiny",
+            "model_id": "acme/tiny",
+        }
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(req), 60)
+        assert err.value.status_code == 502
+        assert "40 pages" in str(err.value)
+        assert hub.pages == 40  # the page past the cap is never asked for
+    finally:
+        hub.stop()

@@ -32,6 +32,10 @@ class PullCancelled(Exception):
 # downloads have their own): every request of its shared client gets these where it has none.
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
+# The file listing comes in pages of up to 1,000 entries, each linking to the next: a Hub that
+# always links to another page would hold the pull (and a worker thread) for ever. A million
+# files is far beyond any model repository.
+MAX_LISTING_PAGES = 1000
 _pull_state = threading.local()  # the cancel event of the pull this thread runs
 _client_lock = threading.Lock()
 _client_installed = False
@@ -42,6 +46,16 @@ def _guard_request(request: Any) -> None:
     cancel = getattr(_pull_state, "cancel", None)
     if cancel is not None and cancel.is_set():
         raise PullCancelled("pull cancelled")
+    if "/tree/" in request.url.path and cancel is not None:
+        pages = getattr(_pull_state, "listing_pages", 0) + 1
+        _pull_state.listing_pages = pages
+        if pages > MAX_LISTING_PAGES:
+            raise PullError(
+                502,
+                "model_pull_failed",
+                f"The Hub's file listing of this repository ran past {MAX_LISTING_PAGES} pages "
+                f"({MAX_LISTING_PAGES * 1000} files); refusing to list further",
+            )
     timeout = dict(request.extensions.get("timeout") or {})
     for key, default in (
         ("connect", CONNECT_TIMEOUT_S),
@@ -129,6 +143,7 @@ def download(
     local_dir.mkdir(parents=True, exist_ok=True)
     _install_client()
     _pull_state.cancel = cancel
+    _pull_state.listing_pages = 0
     try:
         snapshot_download(
             repo_id=model_id,
@@ -139,7 +154,7 @@ def download(
             tqdm_class=_bar_class(cancel),
             max_workers=4,
         )
-    except PullCancelled:
+    except (PullCancelled, PullError):
         raise
     except Exception as err:
         if cancel.is_set():
