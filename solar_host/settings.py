@@ -279,6 +279,19 @@ class Settings(BaseModel):
     job_network_mode: str = Field(
         default="bridge", description="Docker network mode of job containers."
     )
+    job_pids_limit: int = Field(
+        default=16384,
+        ge=0,
+        description="Most processes and threads one job container may hold (0: no limit); a "
+        "fork bomb in a step then fails inside its container instead of exhausting the machine.",
+    )
+    job_memory_limit_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Most memory (GiB, swap included) one job container may use; past it the "
+        "kernel kills the step's processes, not the host's. Unset: no limit (job processes are "
+        "still the first the kernel kills when the machine runs out of memory).",
+    )
     job_cleanup_interval_s: float = Field(
         default=300.0, gt=0, description="Period of the finished-job retention sweep."
     )

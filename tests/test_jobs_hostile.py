@@ -381,3 +381,66 @@ async def test_secrets_printed_by_a_step_are_redacted(
     assert "HF_TOKEN=" in text  # the variable is there...
     assert SECRET not in text  # ...its value is not
     assert "HARBOR_PW_9x7" not in text
+
+
+# --- 9. a step can take every process slot or all the memory of the machine ------------------
+
+
+async def test_a_fork_bomb_stays_inside_its_container(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Job containers had no pids limit: a step starting processes without end exhausts the
+    machine's, and the model servers can no longer start a thread. JOB_PIDS_LIMIT caps them per
+    container; the container also carries the out-of-memory score that makes its processes the
+    kernel's first choice when memory runs out."""
+    host = Host(make_settings(tmp_path, job_pids_limit=40))
+    # The bomb runs in a subshell, which dies at its first failed fork; the step's shell then
+    # needs no fork of its own (echo is a builtin, exec replaces it) to stay up for inspection.
+    script = "(for i in $(seq 120); do sleep 60 & done) 2>/dev/null; echo spawned; exec sleep 60"
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("bomb", sh("s", dockerd.image, script)))
+        assert r.status_code == 202, r.text
+        body = await wait_for(
+            client,
+            "bomb",
+            lambda b: (
+                finished(b) or any(e["line"] == "spawned" for e in b["steps"][0]["recent_logs"])
+            ),
+            within=60,
+        )
+        cid = body["steps"][0]["container_id"]
+        c = _client(dockerd)
+        try:
+            cfg = c.api.inspect_container(cid)["HostConfig"]
+            procs = c.api.top(cid)["Processes"] or []
+        finally:
+            c.close()
+        await client.delete("/jobs/bomb")
+    assert cfg["PidsLimit"] == 40
+    assert cfg["OomScoreAdj"] == 1000
+    assert 0 < len(procs) <= 40, f"{len(procs)} processes in a container limited to 40"
+
+
+async def test_a_step_past_its_memory_limit_fails_and_says_why(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """With JOB_MEMORY_LIMIT_GB set, a step that allocates past it is killed inside its own
+    container (the machine's memory, and the model servers using it, are untouched), and the
+    step's failure names the limit instead of a bare exit code 137."""
+    host = Host(make_settings(tmp_path, job_memory_limit_gb=0.0625))  # 64 MiB
+    step = {
+        "name": "s",
+        "image": dockerd.image,
+        "command": ["dd", "if=/dev/zero", "of=/dev/null", "bs=200M", "count=1"],
+    }
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("hog", step))
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "hog", finished, within=60)
+    assert body["status"] == "failed", body
+    s = body["steps"][0]
+    assert s["exit_code"] == 137, s
+    assert "JOB_MEMORY_LIMIT_GB (0.0625 GiB)" in body["error_message"], body["error_message"]
+    assert "out of memory" in s["error_message"], s

@@ -30,6 +30,9 @@ LABEL_JOBS_DIR = "solar-host.jobs-dir"
 API_TIMEOUT_S = 30
 PING_TIMEOUT_S = 5
 DEFAULT_SOCKET = "/var/run/docker.sock"
+# The kernel's out-of-memory killer picks the process with the highest score: 1000 makes a
+# job's processes the first chosen, ahead of the model servers (whose score is their size).
+JOB_OOM_SCORE_ADJ = 1000
 
 
 class DaemonUnavailableError(RuntimeError):
@@ -57,6 +60,8 @@ class ContainerSpec:
     user: str
     network_mode: str
     gpu: GpuRequest | None
+    pids_limit: int | None = None  # None: no limit
+    memory_bytes: int | None = None  # None: no limit
 
 
 def device_requests(gpu: GpuRequest | None) -> list[Any] | None:
@@ -127,6 +132,13 @@ class DockerJobs:
             # whole grace period (sh or sleep as PID 1 ignore SIGTERM).
             "init": True,
             "device_requests": device_requests(spec.gpu),
+            # When the machine runs out of memory, the kernel kills a job's processes before
+            # any model server's: the models keep serving, the step fails (exit 137).
+            "oom_score_adj": JOB_OOM_SCORE_ADJ,
+            "pids_limit": spec.pids_limit,
+            "mem_limit": spec.memory_bytes,
+            # The same figure for memory and swap together: no swapping past the limit.
+            "memswap_limit": spec.memory_bytes,
             "detach": True,
         }
         import docker.errors
@@ -199,6 +211,14 @@ class DockerJobs:
         result = self.client.api.wait(container_id, timeout=None)
         code = result.get("StatusCode") if isinstance(result, dict) else None
         return int(code) if code is not None else -1
+
+    def oom_killed(self, container_id: str) -> bool:
+        """Whether the kernel killed a process of the container for memory (its limit, or
+        the machine's)."""
+        try:
+            return bool(self.client.api.inspect_container(container_id)["State"]["OOMKilled"])
+        except Exception:
+            return False
 
     def stop(self, container_id: str, timeout: int = 10) -> None:
         import docker.errors

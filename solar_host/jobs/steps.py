@@ -174,6 +174,12 @@ def container_spec(
         user=f"{settings.container_uid}:{settings.container_gid}",
         network_mode=settings.job_network_mode,
         gpu=step.gpu,
+        pids_limit=settings.job_pids_limit or None,
+        memory_bytes=(
+            None
+            if settings.job_memory_limit_gb is None
+            else int(settings.job_memory_limit_gb * 1024**3)
+        ),
     )
 
 
@@ -265,14 +271,25 @@ class StepRunner:
             if exit_code == 0:
                 return self._completed(job_id, step.name, index, started)
             tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
+            summary = "\n".join(tail)
+            message = f"Step '{step.name}' failed with exit code {exit_code}"
+            if await asyncio.to_thread(docker.oom_killed, container_id):
+                limit = self.settings.job_memory_limit_gb
+                why = (
+                    f"out of memory: the step reached JOB_MEMORY_LIMIT_GB ({limit:g} GiB)"
+                    if limit is not None
+                    else "out of memory: the machine ran out and the kernel killed the step"
+                )
+                message = f"{message} ({why})"
+                summary = f"{why}\n{summary}".rstrip("\n")
             return self._failed(
                 job_id,
                 step.name,
                 index,
                 started,
                 exit_code,
-                summary="\n".join(tail),
-                job_message=f"Step '{step.name}' failed with exit code {exit_code}",
+                summary=summary,
+                job_message=message,
             )
         except ContainerStartError as err:
             return self._failed(
