@@ -161,3 +161,29 @@ async def test_a_confined_backend_can_move_files_into_place(tmp_path: Path) -> N
     out = log.read_text()
     assert "moved x" in out and "link refused" in out, out
     assert not (scratch / "stolen").exists()
+
+
+@needs_landlock
+@pytest.mark.parametrize("lc_ctype", [None, "en_US.UTF-8"])
+async def test_a_confined_backend_keeps_the_locale_it_was_given(
+    tmp_path: Path, lc_ctype: str | None
+) -> None:
+    """The launcher is a Python started in the backend's environment: in the C locale it set
+    LC_CTYPE=C.UTF-8 there (PEP 538) and handed that on to the backend, which then ran in
+    another locale than it would unconfined."""
+    from solar_host.instances import process as procs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LC_ALL", "LC_CTYPE", "LANG", "LANGUAGE")
+    }
+    env["TMPDIR"] = str(scratch)
+    if lc_ctype is not None:
+        env["LC_CTYPE"] = lc_ctype
+    argv = ["/bin/sh", "-c", 'echo "LC_CTYPE=[${LC_CTYPE-unset}]"']
+    reads = confinement.read_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    log = tmp_path / "backend.log"
+    proc = procs.spawn(argv, env, log, scratch, reads, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    assert f"LC_CTYPE=[{lc_ctype or 'unset'}]" in log.read_text()

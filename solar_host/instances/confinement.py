@@ -292,7 +292,9 @@ def confined_command(argv: Sequence[str], env: Mapping[str, str], ruleset: Rules
     if found is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
     launcher = str(Path(__file__).with_name("landlock_exec.py"))
-    return [sys.executable, "-I", "-S", launcher, str(ruleset.fd), found, *argv]
+    lc_ctype = env.get("LC_CTYPE")
+    lc_arg = "" if lc_ctype is None else f"={lc_ctype}"
+    return [sys.executable, "-I", "-S", launcher, str(ruleset.fd), lc_arg, found, *argv]
 
 
 @functools.cache

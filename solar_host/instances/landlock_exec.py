@@ -1,9 +1,14 @@
 """Apply a Landlock ruleset, then become the backend.
 
-Run as `python -I -S landlock_exec.py FD PATH ARGV...`. The host builds the ruleset
+Run as `python -I -S landlock_exec.py FD LC_CTYPE PATH ARGV...`. The host builds the ruleset
 (confinement.Ruleset) and hands its descriptor down; this program restricts itself with it and
 execs PATH with ARGV (ARGV[0] as the backend was given it). The restriction holds across exec,
 for the backend and everything it starts.
+
+LC_CTYPE is the value the backend's environment had for it ("=value"), or "" for none. Python
+started in the C locale sets LC_CTYPE=C.UTF-8 in its own environment (PEP 538), and -I ignores
+PYTHONCOERCECLOCALE: without putting the host's value back, a confined backend would run in
+another locale than the same backend unconfined.
 
 Why a program and not subprocess's preexec_fn: a preexec_fn forces subprocess from vfork onto
 fork(), which copies the page tables of the whole host while it holds the GIL (94 ms a spawn for
@@ -22,7 +27,12 @@ EXIT_NOT_CONFINED = 126
 
 
 def main(args: list[str]) -> int:
-    fd, path, argv = int(args[0]), args[1], args[2:]
+    fd, lc_ctype, path, argv = int(args[0]), args[1], args[2], args[3:]
+    env = dict(os.environ)
+    if lc_ctype.startswith("="):
+        env["LC_CTYPE"] = lc_ctype[1:]
+    else:
+        env.pop("LC_CTYPE", None)
     libc = ctypes.CDLL(None, use_errno=True)
     if (
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
@@ -32,7 +42,7 @@ def main(args: list[str]) -> int:
         print(f"solar-host: cannot confine the backend's reads: {reason}", file=sys.stderr)
         return EXIT_NOT_CONFINED
     os.close(fd)
-    os.execv(path, argv)  # raises only if the program vanished since the host looked
+    os.execve(path, argv, env)  # raises only if the program vanished since the host looked
     return 127
 
 
