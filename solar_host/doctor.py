@@ -195,10 +195,16 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
         return Check("read confinement", True, "off (BACKEND_READ_CONFINEMENT=off)")
     version = confinement.abi_version() if abi is None else abi
     if version >= 2 or (version == 1 and mode == "required"):
+        writes = (
+            "write only their caches, TMPDIR and /dev"
+            if settings.backend_write_confinement
+            else "write anywhere (BACKEND_WRITE_CONFINEMENT=false)"
+        )
         return Check(
             "read confinement",
             True,
-            f"Landlock ABI {version}: backends read only the model roots, caches and runtime",
+            f"Landlock ABI {version}: backends read only the model roots, caches and runtime, "
+            f"and {writes}",
         )
     detail = "this kernel has no Landlock" if version < 1 else "Landlock ABI 1 only"
     fix = "Linux 5.19+ with landlock in its LSM list (lsm= boot parameter)"

@@ -175,6 +175,17 @@ class Settings(BaseModel):
         description="More directories backends may read under BACKEND_READ_CONFINEMENT "
         "(comma-separated), for runtimes installed outside the usual places.",
     )
+    backend_write_confinement: bool = Field(
+        default=True,
+        description="Where backends are confined (BACKEND_READ_CONFINEMENT), also limit what "
+        "they may write to their caches (~/.cache, the HF caches, TMPDIR), /dev and "
+        "/var/tmp: never the host's state, its code, the model roots or other files.",
+    )
+    backend_write_paths: str = Field(
+        default="",
+        description="More directories confined backends may write (comma-separated), for "
+        "caches kept outside the usual places.",
+    )
     llama_server_bin: str = Field(
         default="llama-server",
         description="llama-server executable (a path or a name on PATH). Unset and not on "
@@ -376,10 +387,13 @@ class Settings(BaseModel):
 
     @property
     def backend_extra_read_dirs(self) -> list[str]:
-        """BACKEND_READ_PATHS, and the SGLang prompt cache root: trees backends may read
-        beyond the model roots and their runtime."""
-        extra = [p.strip() for p in self.backend_read_paths.split(",") if p.strip()]
-        return extra + ([self.sglang_prompt_cache_dir] if self.sglang_prompt_cache_dir else [])
+        """BACKEND_READ_PATHS: trees backends may read beyond the model roots and runtime."""
+        return [p.strip() for p in self.backend_read_paths.split(",") if p.strip()]
+
+    @property
+    def backend_extra_write_dirs(self) -> list[str]:
+        """BACKEND_WRITE_PATHS: trees backends may write beyond their caches."""
+        return [p.strip() for p in self.backend_write_paths.split(",") if p.strip()]
 
     @property
     def control_echo_delays(self) -> list[float]:

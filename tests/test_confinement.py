@@ -119,14 +119,18 @@ def test_the_read_policy_never_widens_to_the_whole_machine(tmp_path: Path) -> No
     (build / "bin" / "llama-server").write_text("")
     env = {"HOME": str(home), "PATH": "/usr/bin", "PYTHONPATH": os.pathsep + "/"}
     key = tmp_path / "keys" / "sglang.key"
-    policy = confinement.read_policy(
+    policy = confinement.access_policy(
         roots=[tmp_path / "models"], argv=[str(program)], env=env, private_files=[str(key)]
     )
     assert "/" not in policy.trees and "/etc" not in policy.trees
     assert str(home) not in policy.trees  # a program in ~/bin allows ~/bin, not the home
-    assert str(home / "bin") in policy.trees and str(home / ".cache") in policy.trees
+    assert str(home / "bin") in policy.trees
+    # Caches and temporary files are written (and read); nothing else of the home is.
+    assert str(home / ".cache") in policy.writable and "/tmp" in policy.writable
+    models = str(tmp_path / "models")
+    assert not any(w == str(home) or w.startswith(models) for w in policy.writable)
     assert str(tmp_path / "models") in policy.trees and policy.files == (str(key),)
-    built = confinement.read_policy(roots=[], argv=[str(build / "bin" / "llama-server")], env=env)
+    built = confinement.access_policy(roots=[], argv=[str(build / "bin" / "llama-server")], env=env)
     assert str(build) in built.trees  # its shared libraries live beside bin/
 
 
@@ -154,7 +158,7 @@ async def test_a_confined_backend_can_move_files_into_place(tmp_path: Path) -> N
     )
     env = {**os.environ, "TMPDIR": str(scratch)}
     argv = [sys.executable, "-c", code]
-    reads = confinement.read_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    reads = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
     log = tmp_path / "backend.log"
     proc = procs.spawn(argv, env, log, scratch, reads, "required")
     assert await procs.wait_exit(proc, timeout=30)
@@ -182,8 +186,86 @@ async def test_a_confined_backend_keeps_the_locale_it_was_given(
     if lc_ctype is not None:
         env["LC_CTYPE"] = lc_ctype
     argv = ["/bin/sh", "-c", 'echo "LC_CTYPE=[${LC_CTYPE-unset}]"']
-    reads = confinement.read_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    reads = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
     log = tmp_path / "backend.log"
     proc = procs.spawn(argv, env, log, scratch, reads, "required")
     assert await procs.wait_exit(proc, timeout=30)
     assert f"LC_CTYPE=[{lc_ctype or 'unset'}]" in log.read_text()
+
+
+@needs_landlock
+@pytest.mark.parametrize("writes", [True, False])
+async def test_a_confined_backend_writes_only_its_caches(
+    tmp_path: Path, bait: dict[str, Path], monkeypatch: pytest.MonkeyPatch, writes: bool
+) -> None:
+    """Until BACKEND_WRITE_CONFINEMENT a backend could write anywhere the host user can: a
+    backend taken over through a crafted model file could rewrite the host's config.json, a
+    model another instance serves, or the user's shell profile. Now it writes its caches,
+    TMPDIR and devices only."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("# the user's\n")
+    if not writes:  # unconfined, the backend makes these itself (confined, the host does)
+        (home / ".cache").mkdir()
+        (home / ".triton").mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    cfg: dict[str, Any] = script_config(tmp_path)
+    models = tmp_path / "models"
+    (models / "weights.bin").write_bytes(b"w")
+    s = host_settings(tmp_path, backend_write_confinement=writes)
+    async with running_host(s, backends=_registry()) as h:
+        iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        port = r.json()["instance"]["port"]
+        allowed = [
+            bait["scratch"] / "tmpfile",  # TMPDIR
+            home / ".cache" / "kernels.bin",
+            home / ".triton" / "cache.json",  # made by the host: the backend could not
+            Path("/dev/null"),
+        ]
+        refused = [
+            tmp_path / "config.json",  # the host's state
+            models / "weights.bin",  # a model
+            models / "planted.gguf",
+            home / ".bashrc",
+            bait["secret"],
+            Path(f"{models}/newdir/"),
+        ]
+        async with httpx.AsyncClient(timeout=10) as c:
+            out = []
+            for path in allowed + refused:
+                resp = await c.get(f"http://127.0.0.1:{port}/write", params={"path": str(path)})
+                out.append(resp.json()["wrote"])
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+    assert out[: len(allowed)] == ["ok"] * len(allowed)
+    if writes:
+        assert out[len(allowed) :] == ["EACCES"] * len(refused)
+        assert (home / ".bashrc").read_text() == "# the user's\n"
+        assert (models / "weights.bin").read_bytes() == b"w"
+    else:  # as before: the assertions above are not passing by accident
+        assert out[len(allowed) :] == ["ok"] * len(refused)
+
+
+@needs_landlock
+def test_a_cache_link_repointed_while_the_host_runs_is_not_allowed(tmp_path: Path) -> None:
+    """A backend may write ~/.cache, where the HF hub cache (an allowed tree of its own) lives:
+    it could replace ~/.cache/huggingface with a link to ~/.ssh, and every backend started
+    after it would have been allowed ~/.ssh. A link that was there when the host first looked
+    (an operator's cache on another disk) is kept."""
+    disk, ssh = tmp_path / "disk" / "hf", tmp_path / "ssh"
+    disk.mkdir(parents=True)
+    ssh.mkdir()
+    cache = tmp_path / "home" / ".cache"
+    cache.mkdir(parents=True)
+    link = cache / "huggingface"
+    link.symlink_to(disk)
+    policy = confinement.AccessPolicy((), (), (str(cache), str(link)), True)
+    first = confinement.Ruleset.build(policy)
+    first.close()
+    assert first.skipped == []
+    link.unlink()
+    link.symlink_to(ssh)
+    second = confinement.Ruleset.build(policy)
+    second.close()
+    assert second.skipped == [str(link)]

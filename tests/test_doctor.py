@@ -140,6 +140,9 @@ def test_read_confinement_check_follows_the_kernel_and_the_mode(tmp_path: Path) 
     auto = host_settings(tmp_path)
     assert doctor.check_confinement(auto, abi=7).ok
     assert "Landlock ABI 7" in doctor.check_confinement(auto, abi=7).detail
+    assert "write only their caches" in doctor.check_confinement(auto, abi=7).detail
+    open_writes = host_settings(tmp_path, backend_write_confinement=False)
+    assert "write anywhere" in doctor.check_confinement(open_writes, abi=7).detail
     unconfined = doctor.check_confinement(auto, abi=0)
     assert unconfined.ok and "unconfined" in unconfined.detail
     required = doctor.check_confinement(

@@ -530,6 +530,9 @@ def test_per_instance_cache_dirs_are_exported_not_created(venv: Path, tmp_path: 
     assert two.env[CACHE_DIR_ENV] == str(root / "deepseek-flash-inst-2")
     assert not root.exists()  # launch() is pure: the supervisor's before_start creates it
     assert CACHE_DIR_ENV not in BACKEND.launch(config, ctx(venv)).env
+    # A confined instance may write its own cache, not the root with the others' prompts.
+    assert one.write_dirs == [str(root / "deepseek-flash-inst-1")]
+    assert BACKEND.launch(config, ctx(venv)).write_dirs == []
 
 
 def test_extra_env_is_passed(venv: Path) -> None:

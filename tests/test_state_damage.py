@@ -27,7 +27,7 @@ import pytest
 from pydantic_core import to_json
 
 from solar_host.instances import confinement
-from solar_host.instances.confinement import ReadPolicy, Ruleset
+from solar_host.instances.confinement import AccessPolicy, Ruleset
 from tests.fixtures.host import API_KEY
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.script_backend import script_config
@@ -423,7 +423,7 @@ def _unreadable(path: Path) -> Ruleset:
             # this very test's directory).
             if entry != on_chain and not entry.is_symlink() and entry.lstat().st_ino != inode
         ]
-    return Ruleset.build(ReadPolicy(tuple(trees), ()))
+    return Ruleset.build(AccessPolicy(tuple(trees), ()))
 
 
 def _restricting(ruleset: Ruleset) -> Callable[[], None]:

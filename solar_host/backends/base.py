@@ -108,14 +108,16 @@ class LaunchContext:
 @dataclass(slots=True)
 class LaunchSpec:
     """A command line, the variables the backend needs on top of the allowlisted host
-    environment (instances/backend_env.py), and private files (path -> text) the host writes
-    0600 before the spawn."""
+    environment (instances/backend_env.py), private files (path -> text) the host writes
+    0600 before the spawn, and the directories of its own it writes beyond its caches (see
+    instances/confinement.py)."""
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     env_remove: tuple[str, ...] = ()
     warnings: list[str] = field(default_factory=list)
     private_files: dict[str, str] = field(default_factory=dict)
+    write_dirs: list[str] = field(default_factory=list)
 
 
 class LaunchError(Exception):

@@ -456,7 +456,14 @@ class SglangBackend:
         # JSON strings are YAML double-quoted scalars: any key text survives the round trip.
         private = {str(key_file): f"api-key: {json.dumps(ctx.host_api_key)}\n"}
         return LaunchSpec(
-            argv=argv, env=env, env_remove=env_remove, warnings=warnings, private_files=private
+            argv=argv,
+            env=env,
+            env_remove=env_remove,
+            warnings=warnings,
+            private_files=private,
+            # This instance's prompt cache, never the root: the other instances' caches hold
+            # their users' prompts.
+            write_dirs=[str(cache_dir)] if cache_dir is not None else [],
         )
 
     def is_ready_line(self, line: str) -> bool:

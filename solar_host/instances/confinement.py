@@ -1,22 +1,30 @@
-"""Backends read only what they need: the model roots, their runtime and the system's shared
-files, enforced by the kernel (Landlock, Linux 5.13 and later).
+"""Backends read only what they need (the model roots, their runtime and the system's shared
+files) and write only their caches, temporary files and devices, enforced by the kernel
+(Landlock, Linux 5.13 and later).
 
 The roots check (model_store/roots.py) judges every path a config names when it is created and
 again at start, but a backend opens its files later: a symlink re-pointed in between (by a job
 that can write a model root or the HF cache) was followed. Landlock closes that window. The
 host builds a ruleset naming the trees a backend may read, and the backend is started through
 landlock_exec.py, which applies it and execs the backend; it then holds for the backend and
-everything it starts, at every open. Writing is not restricted (caches, temporary files), and
-a path the ruleset does not name is EACCES, whatever link leads there.
+everything it starts, at every open. A path the ruleset does not name is EACCES, whatever link
+leads there.
+
+Writes are confined by the same ruleset (BACKEND_WRITE_CONFINEMENT, on by default): a backend
+that a crafted model file or remote code takes over can still fill its caches, but cannot
+change the host's state, its code, a model, another instance's prompt cache or the user's
+files. Rights add up along a path, so a tree inside a writable one (a model root under /tmp)
+is writable too.
 
 BACKEND_READ_CONFINEMENT: `auto` (the default) confines where the kernel supports it and says
 once in the log where it does not; `required` refuses to start a backend unconfined; `off`
-turns it off. BACKEND_READ_PATHS adds trees an unusual installation needs (a CUDA toolkit in
-a home directory, say).
+turns it off (and with it the write confinement). BACKEND_READ_PATHS and BACKEND_WRITE_PATHS
+add trees an unusual installation needs (a CUDA toolkit in a home directory, a cache elsewhere).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -24,6 +32,7 @@ import logging
 import os
 import stat
 import sys
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +46,13 @@ _SYS_RESTRICT_SELF = 446
 _CREATE_RULESET_VERSION = 1 << 0
 _RULE_PATH_BENEATH = 1
 _PR_SET_NO_NEW_PRIVS = 38
+ACCESS_WRITE_FILE = 1 << 1
 ACCESS_READ_FILE = 1 << 2
 ACCESS_READ_DIR = 1 << 3
+# Changing a directory's entries: removing, and making every kind of file (ABI 1).
+ACCESS_CHANGE_DIR = sum(1 << bit for bit in range(4, 13))
+# Truncating a file (ABI 3+); without it handled, truncate(2) is allowed everywhere.
+ACCESS_TRUNCATE = 1 << 14
 # Moving or hard-linking a file into another directory (ABI 2+). A ruleset that does not
 # handle it makes every such move fail with EXDEV, which breaks caches that write a file in a
 # temporary directory and rename it into place (triton's, for one). Handled and granted on the
@@ -46,11 +60,18 @@ ACCESS_READ_DIR = 1 << 3
 # into one it may is still refused.
 ACCESS_REFER = 1 << 13
 READ_ONLY = ACCESS_READ_FILE | ACCESS_READ_DIR
+READ_RIGHTS = READ_ONLY | ACCESS_REFER
+# The rights a rule on a single file (not a directory) may carry.
+FILE_RIGHTS = ACCESS_READ_FILE | ACCESS_WRITE_FILE | ACCESS_TRUNCATE
 
 
-def handled_access(abi: int) -> int:
-    """What a ruleset for this ABI restricts (and grants on the allowed trees)."""
-    return READ_ONLY | (ACCESS_REFER if abi >= 2 else 0)
+def handled_access(abi: int, writes: bool = False) -> int:
+    """What a ruleset for this ABI restricts (and grants on the writable trees): reads, and
+    with `writes` every change to a file or directory too."""
+    handled = READ_ONLY | (ACCESS_REFER if abi >= 2 else 0)
+    if writes:
+        handled |= ACCESS_WRITE_FILE | ACCESS_CHANGE_DIR | (ACCESS_TRUNCATE if abi >= 3 else 0)
+    return handled
 
 
 # What any backend may read of the system: its libraries, devices, kernel interfaces.
@@ -111,15 +132,33 @@ ETC_ENTRIES = (
     "nccl.conf",
     "fonts",
 )
-# Under the backend's HOME: the caches the runtimes keep (HF, torch, triton, CUDA's JIT).
+# Under the backend's HOME, to read: runtimes installed for the user, their vendor files.
 HOME_TREES = (
-    ".cache",
-    ".triton",
-    ".nv",
-    ".deep_gemm",
     ".local/lib",
     ".local/share/vulkan",
     ".config/vulkan",
+)
+# What any backend may write (and read): devices (GPUs are opened read-write, /dev/shm).
+SYSTEM_WRITABLE = ("/dev", "/var/tmp")
+# Under HOME, the caches the runtimes keep (HF, torch, triton, CUDA's JIT, DeepGEMM).
+HOME_WRITABLE = (".cache", ".triton", ".nv", ".deep_gemm")
+# Variables that move a runtime's cache or scratch space elsewhere.
+CACHE_VARS = (
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "HF_MODULES_CACHE",
+    "TORCH_HOME",
+    "TORCH_EXTENSIONS_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_HOME",
+    "TRITON_CACHE_DIR",
+    "CUDA_CACHE_PATH",
+    "FLASHINFER_WORKSPACE_BASE",
+    "PROMETHEUS_MULTIPROC_DIR",
 )
 
 
@@ -156,32 +195,42 @@ class _PathBeneathAttr(ctypes.Structure):
 
 
 @dataclass(frozen=True, slots=True)
-class ReadPolicy:
-    """The trees and single files a backend may read; everything else is refused."""
+class AccessPolicy:
+    """The trees and single files a backend may read, and the trees it may also write;
+    everything else is refused. With `confine_writes` False, writing is not restricted at all
+    (and the writable trees are only read)."""
 
     trees: tuple[str, ...]
     files: tuple[str, ...]
+    writable: tuple[str, ...] = ()
+    confine_writes: bool = False
 
 
-def read_policy(
+def access_policy(
     *,
     roots: Sequence[Path],
     argv: Sequence[str],
     env: Mapping[str, str],
     private_files: Iterable[str] = (),
-    extra: Iterable[str] = (),
-) -> ReadPolicy:
-    """What a backend started as `argv` with environment `env` needs to read."""
+    extra_reads: Iterable[str] = (),
+    extra_writes: Iterable[str] = (),
+    confine_writes: bool = True,
+) -> AccessPolicy:
+    """What a backend started as `argv` with environment `env` needs to read and write."""
     from solar_host.model_store.roots import hub_caches
+
+    home = env.get("HOME") or os.path.expanduser("~")
+    writable: list[str] = list(SYSTEM_WRITABLE)
+    writable += [os.path.join(home, t) for t in HOME_WRITABLE]
+    writable += [str(c) for c in hub_caches(env)]
+    writable += [env[name] for name in CACHE_VARS if env.get(name)]
+    if not env.get("TMPDIR"):
+        writable.append("/tmp")
+    writable += list(extra_writes)
 
     trees: list[str] = list(SYSTEM_TREES)
     trees += [os.path.join("/etc", e) for e in ETC_ENTRIES]
-    home = env.get("HOME") or os.path.expanduser("~")
     trees += [os.path.join(home, t) for t in HOME_TREES]
-    trees += [str(c) for c in hub_caches(env)]
-    if env.get("HF_HOME"):
-        trees.append(env["HF_HOME"])
-    trees.append(env.get("TMPDIR") or "/tmp")
     # The Python the host runs (our HF server and the test backends are this interpreter),
     # and where solar_host itself is installed (site-packages, or a source checkout).
     trees += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
@@ -192,12 +241,18 @@ def read_policy(
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
         trees += [p for p in env.get(name, "").split(os.pathsep) if p]
     trees += _program_trees(argv[0], env, home) if argv else []
-    trees += list(extra)
+    trees += list(extra_reads)
     # "/" would allow everything (an empty PYTHONPATH entry, a program in the root): the
     # operator who wants that says so, with BACKEND_READ_CONFINEMENT=off or a model root.
     kept = [os.path.abspath(r) for r in roots]
     kept += [t for t in map(os.path.abspath, trees) if t != "/"]
-    return ReadPolicy(tuple(dict.fromkeys(kept)), tuple(dict.fromkeys(private_files)))
+    written = [t for t in map(os.path.abspath, writable) if t != "/"]
+    return AccessPolicy(
+        tuple(dict.fromkeys(kept)),
+        tuple(dict.fromkeys(private_files)),
+        tuple(dict.fromkeys(written)),
+        confine_writes,
+    )
 
 
 def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]:
@@ -217,6 +272,46 @@ def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]
     return out
 
 
+# Where each allowed path led when this host first built a rule for it (see _pinned).
+_first_seen: dict[str, str] = {}
+_first_seen_lock = threading.Lock()
+
+
+def _pinned(path: str) -> str | None:
+    """The path to build a rule on: where `path` leads, if it still leads where it did the
+    first time this host looked; None (with a warning) if it has been re-pointed since.
+
+    Backends may write their caches, and some allowed trees live inside others (the HF hub
+    cache in ~/.cache): a backend could replace ~/.cache/huggingface with a link to ~/.ssh,
+    and every backend started after it would be allowed ~/.ssh. The operator's own links (a
+    cache moved to a larger disk) are there when the host starts, and are kept."""
+    real = os.path.realpath(path)
+    with _first_seen_lock:
+        first = _first_seen.setdefault(path, real)
+    if first != real:
+        log.warning(
+            "not allowing backends %s: it led to %s and now leads to %s (re-pointed while the "
+            "host ran; restart the host to accept the new target)",
+            path,
+            first,
+            real,
+        )
+        return None
+    return real
+
+
+def prepare_writable(policy: AccessPolicy) -> None:
+    """Create the writable trees that do not exist yet (~/.triton before the first triton
+    kernel, a TRITON_CACHE_DIR): a rule needs an existing directory, and a confined backend
+    could not make one in the directory above."""
+    if not policy.confine_writes:
+        return
+    for path in policy.writable:
+        if not os.path.lexists(path):
+            with contextlib.suppress(OSError):
+                os.makedirs(path, 0o700, exist_ok=True)
+
+
 class Ruleset:
     """A Landlock ruleset built in the host; `restrict` applies it in a forked child."""
 
@@ -225,10 +320,10 @@ class Ruleset:
         self.skipped = skipped  # allowed paths that did not exist
 
     @classmethod
-    def build(cls, policy: ReadPolicy) -> Ruleset:
+    def build(cls, policy: AccessPolicy) -> Ruleset:
         """Raise OSError where the kernel refuses (no Landlock)."""
         libc = _libc()
-        handled = handled_access(abi_version())
+        handled = handled_access(abi_version(), policy.confine_writes)
         attr = _RulesetAttr(handled)
         fd = libc.syscall(
             _SYS_CREATE_RULESET,
@@ -241,9 +336,10 @@ class Ruleset:
             raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
         skipped: list[str] = []
         try:
-            for path, access in [(p, handled) for p in policy.trees] + [
-                (p, ACCESS_READ_FILE) for p in policy.files
-            ]:
+            rules = [(p, handled & READ_RIGHTS) for p in policy.trees]
+            rules += [(p, handled) for p in policy.writable]
+            rules += [(p, ACCESS_READ_FILE) for p in policy.files]
+            for path, access in rules:
                 if not cls._add(libc, fd, path, access):
                     skipped.append(path)
         except BaseException:
@@ -253,13 +349,20 @@ class Ruleset:
 
     @staticmethod
     def _add(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> bool:
+        real = _pinned(path)
+        if real is None:
+            return False
         try:
-            target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            # Not following a link at the end: one put there since realpath looked is refused.
+            target = os.open(real, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
-            return False  # absent here (no /lib32, no ~/.triton): nothing to allow
+            return False  # absent here (no /lib32): nothing to allow
         try:
-            if not stat.S_ISDIR(os.fstat(target).st_mode):
-                access &= ACCESS_READ_FILE  # a file takes file rights only
+            mode = os.fstat(target).st_mode
+            if stat.S_ISLNK(mode):
+                return False
+            if not stat.S_ISDIR(mode):
+                access &= FILE_RIGHTS  # a file takes file rights only
             rule = _PathBeneathAttr(access, target)
             if (
                 libc.syscall(
@@ -306,7 +409,7 @@ def _say_unavailable_once() -> None:
     )
 
 
-def ruleset_for(mode: str, policy: ReadPolicy) -> Ruleset | None:
+def ruleset_for(mode: str, policy: AccessPolicy) -> Ruleset | None:
     """The ruleset to spawn a backend under, or None to spawn it unconfined (`off`, or `auto`
     on a kernel without Landlock). Raises ConfinementUnavailable for `required`."""
     if mode == "off":
@@ -325,6 +428,7 @@ def ruleset_for(mode: str, policy: ReadPolicy) -> Ruleset | None:
         _say_unavailable_once()
         return None
     try:
+        prepare_writable(policy)
         return Ruleset.build(policy)
     except OSError as err:
         if mode == "required":

@@ -63,12 +63,12 @@ def spawn(
     env: Mapping[str, str],
     log_path: Path,
     cwd: Path | None = None,
-    reads: confinement.ReadPolicy | None = None,
+    policy: confinement.AccessPolicy | None = None,
     confine: str = "off",
 ) -> BackendProcess:
     """Start `argv` in a new session with stdout+stderr appended to `log_path`, in the working
-    directory `cwd` (created if missing; None: the host's own), able to read only what
-    `reads` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
+    directory `cwd` (created if missing; None: the host's own), able to read and write only
+    what `policy` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
 
     Blocking (fork/exec, /proc reads): call it through asyncio.to_thread. Raises
     confinement.ConfinementUnavailable when `confine` is "required" and cannot be met.
@@ -76,7 +76,7 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if cwd is not None:
         cwd.mkdir(parents=True, exist_ok=True)
-    ruleset = confinement.ruleset_for(confine, reads) if reads is not None else None
+    ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
     command, keep = list(argv), ()
     if ruleset is not None:
         command, keep = confinement.confined_command(argv, env, ruleset), (ruleset.fd,)

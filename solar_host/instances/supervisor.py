@@ -297,20 +297,23 @@ class Supervisor:
             # transformers tries as a directory first, an SGLang path) is then the file the
             # roots check judged, never one beside wherever the host was started (ruling 12).
             def spawn() -> procs.BackendProcess:
-                # What the backend may read is worked out here too (PATH lookups, links).
-                reads = confinement.read_policy(
+                # What the backend may read and write is worked out here too (PATH lookups,
+                # links).
+                policy = confinement.access_policy(
                     roots=settings.model_root_dirs,
                     argv=spec.argv,
                     env=env,
                     private_files=spec.private_files,
-                    extra=settings.backend_extra_read_dirs,
+                    extra_reads=settings.backend_extra_read_dirs,
+                    extra_writes=[*settings.backend_extra_write_dirs, *spec.write_dirs],
+                    confine_writes=settings.backend_write_confinement,
                 )
                 return procs.spawn(
                     spec.argv,
                     env,
                     log_path,
                     settings.models_dir,
-                    reads,
+                    policy,
                     settings.backend_read_confinement,
                 )
 
