@@ -1126,11 +1126,18 @@ async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_pat
         queue = link._session.sio.eio.queue  # type: ignore[union-attr]
         now = datetime.now(UTC).isoformat()
         peak = 0
-        # Changes and log lines (10 lists/s wanted) until reports have waited a few times. How
-        # soon the socket's buffers (megabytes on loopback) fill depends on how fast this
-        # machine encodes and sends lists, so the wait is for that, bounded, not a fixed time.
+        # Changes and log lines (10 lists/s wanted) until reports have waited a few times and
+        # the outbox has had to drop log lines. How soon the socket's buffers (megabytes on
+        # loopback) fill depends on how fast this machine encodes and sends lists, so the wait
+        # is for both, bounded, not a fixed time (waiting for the reports alone, a fast machine
+        # got there before 1,000 log lines had queued, and nothing had been dropped yet).
         deadline = time.monotonic() + 90
-        while link.metrics()["reports_deferred"] < 5:
+
+        def filled() -> bool:
+            m = link.metrics()
+            return m["reports_deferred"] >= 5 and m["dropped"].get("log", 0) > 0
+
+        while not filled():
             assert time.monotonic() < deadline, link.metrics()
             inst = next(iter(host.instances.items.values()))
             await host.instances.start(inst.id)
