@@ -403,7 +403,7 @@ def confined_command(argv: Sequence[str], env: Mapping[str, str], ruleset: Rules
 @functools.cache
 def _say_unavailable_once() -> None:
     log.warning(
-        "backends run without read confinement: this kernel has no Landlock of ABI 2 or later "
+        "backends run unconfined (reads and writes): this kernel has no Landlock of ABI 2 or later "
         "(Linux 5.19+ with landlock among its LSMs); the model-roots check at start still "
         "applies"
     )
@@ -433,5 +433,5 @@ def ruleset_for(mode: str, policy: AccessPolicy) -> Ruleset | None:
     except OSError as err:
         if mode == "required":
             raise ConfinementUnavailable(f"cannot confine the backend: {err}") from None
-        log.warning("backend starts without read confinement: %s", err)
+        log.warning("backend starts unconfined (reads and writes): %s", err)
         return None

@@ -39,7 +39,7 @@ def main(args: list[str]) -> int:
         or libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0
     ):
         reason = os.strerror(ctypes.get_errno())
-        print(f"solar-host: cannot confine the backend's reads: {reason}", file=sys.stderr)
+        print(f"solar-host: cannot confine the backend: {reason}", file=sys.stderr)
         return EXIT_NOT_CONFINED
     os.close(fd)
     os.execve(path, argv, env)  # raises only if the program vanished since the host looked
