@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -186,6 +186,30 @@ def check_gpu(probe: Any) -> Check:
     return Check("gpu", True, f"{kind} (no GPU: llama.cpp runs on the CPU)")
 
 
+def state_backends_may_write(
+    settings: Settings, env: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
+    """(directory, writable tree) for each of the host's state, log and job directories that
+    lies in a tree confined backends may still write (a CONFIG_FILE under /tmp, say)."""
+    from solar_host.instances import confinement
+
+    policy = confinement.access_policy(
+        roots=[],
+        argv=[],
+        env=os.environ if env is None else env,
+        extra_writes=settings.backend_extra_write_dirs,
+    )
+    found = []
+    for path in (settings.config_file.parent, settings.log_dir, settings.jobs_dir):
+        real = os.path.realpath(path)
+        for tree in policy.writable:
+            top = os.path.realpath(tree)
+            if real == top or real.startswith(top.rstrip("/") + "/"):
+                found.append((real, tree))
+                break
+    return found
+
+
 def check_confinement(settings: Settings, abi: int | None = None) -> Check:
     """Whether backends will be confined to reading the model roots (Landlock)."""
     from solar_host.instances import confinement
@@ -200,6 +224,16 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
             if settings.backend_write_confinement
             else "write anywhere (BACKEND_WRITE_CONFINEMENT=false)"
         )
+        exposed = state_backends_may_write(settings) if settings.backend_write_confinement else []
+        if exposed:
+            what = "; ".join(f"{path} lies in {tree}" for path, tree in exposed)
+            return Check(
+                "read confinement",
+                False,
+                f"backends may write the host's own files: {what}",
+                "keep CONFIG_FILE, LOG_DIR and JOBS_DIR out of TMPDIR (else /tmp) and the "
+                "caches backends write, or point TMPDIR elsewhere",
+            )
         return Check(
             "read confinement",
             True,

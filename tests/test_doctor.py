@@ -28,6 +28,8 @@ async def test_all_checks_pass_exit_0(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("DOCKER_HOST", docker_daemon.host)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # not above the host's state (/tmp)
     async with ControlServer() as control:
         s = host_settings(
             tmp_path, solar_control_url=control.url, min_free_disk_gb=1, port=free_port()
@@ -136,7 +138,11 @@ async def test_port_check_knows_a_running_host_and_its_key(tmp_path: Path) -> No
     assert free.ok and "is free" in free.detail
 
 
-def test_read_confinement_check_follows_the_kernel_and_the_mode(tmp_path: Path) -> None:
+def test_read_confinement_check_follows_the_kernel_and_the_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     auto = host_settings(tmp_path)
     assert doctor.check_confinement(auto, abi=7).ok
     assert "Landlock ABI 7" in doctor.check_confinement(auto, abi=7).detail
@@ -153,3 +159,18 @@ def test_read_confinement_check_follows_the_kernel_and_the_mode(tmp_path: Path) 
     assert first.ok and "unconfined" in first.detail
     off = doctor.check_confinement(host_settings(tmp_path, backend_read_confinement="off"), abi=7)
     assert off.ok and "off" in off.detail
+
+
+def test_host_state_that_backends_may_write_fails_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write confinement protects the host's state only where that state lies outside what
+    backends may write: a CONFIG_FILE under TMPDIR (here, /tmp with TMPDIR unset) does not."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    settings = host_settings(tmp_path)
+    check = doctor.check_confinement(settings, abi=7)
+    assert not check.ok
+    assert str(tmp_path) in check.detail and "TMPDIR" in check.fix
+    # Writes not confined: nothing to protect, nothing said.
+    open_writes = host_settings(tmp_path, backend_write_confinement=False)
+    assert doctor.check_confinement(open_writes, abi=7).ok
