@@ -8,6 +8,7 @@ dockerd of tests/fixtures/docker.py and its busybox image.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import os
@@ -371,16 +372,30 @@ async def test_secrets_printed_by_a_step_are_redacted(
     step that prints its environment (`env`, a debug print) puts them verbatim into
     GET /jobs/{id} recent_logs, step_log events and logs/<step>.log. (Redaction cannot stop a
     step that encodes the value; it stops the verbatim leak.)"""
-    host = Host(make_settings(tmp_path, harbor_password="HARBOR_PW_9x7", harbor_username="u"))
+    password = "HARBOR/PW 9x7+"
+    host = Host(make_settings(tmp_path, harbor_password=password, harbor_username="robot"))
+    # What tools print without being asked: the env, curl -v's Basic header, a docker
+    # config.json's auth, a registry URL with the password percent-encoded.
+    script = (
+        "env | sort; "
+        'printf "Authorization: Basic %s\\n" "$(printf %s "$HARBOR_USERNAME:$HARBOR_PASSWORD" '
+        '| base64)"; '
+        'echo "token $(printf %s "$HF_TOKEN" | base64)"; '
+        'echo "https://robot:HARBOR%2FPW%209x7%2B@registry.example/v2/"'
+    )
     async with running(host) as client:
-        r = await client.post("/jobs", json=job_body("leak", sh("s", dockerd.image, "env | sort")))
+        r = await client.post("/jobs", json=job_body("leak", sh("s", dockerd.image, script)))
         assert r.status_code == 202
         body = await wait_for(client, "leak", finished)
     text = json.dumps(body) + json.dumps(host.step_logs)
     text += (tmp_path / "jobs" / "leak" / "logs" / "s.log").read_text()
     assert "HF_TOKEN=" in text  # the variable is there...
     assert SECRET not in text  # ...its value is not
-    assert "HARBOR_PW_9x7" not in text
+    assert "Authorization: Basic ***" in text and "https://robot:***@registry" in text
+    basic = base64.b64encode(f"robot:{password}".encode()).decode().rstrip("=")
+    token = base64.b64encode(SECRET.encode()).decode().rstrip("=")
+    for leaked in (password, basic, token, "HARBOR%2FPW%209x7%2B"):
+        assert leaked not in text, leaked
 
 
 # --- 9. a step can take every process slot or all the memory of the machine ------------------

@@ -7,11 +7,13 @@ so a consumer that sees `step_completed` and asks GET /jobs/{id} finds the step 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,10 +104,25 @@ def nvidia_visible_devices(gpu: GpuRequest) -> str:
 
 
 def injected_secrets(settings: Settings) -> list[str]:
-    """The secret values steps receive (ruling 14): redacted from step logs."""
+    """The secret values steps receive (ruling 14), and the forms tools print them in without
+    being asked to: redacted from step logs. `curl -v -u user:pass` prints the Basic header,
+    `cat ~/.docker/config.json` after `docker login` its base64 `auth`, and a registry URL
+    carries the password percent-encoded. A step that encodes a secret on purpose still can."""
     if not settings.job_inject_secrets:
         return []
-    return [v for v in (settings.hf_token, settings.harbor_password) if v]
+    values = [v for v in (settings.hf_token, settings.harbor_password) if v]
+    forms = list(values)
+    for value in values:
+        forms.append(urllib.parse.quote(value, safe=""))
+        forms.append(_base64(value))
+    if settings.harbor_password:
+        forms.append(_base64(f"{settings.harbor_username}:{settings.harbor_password}"))
+    return list(dict.fromkeys(forms))
+
+
+def _base64(text: str) -> str:
+    """Unpadded: found whether or not the printed copy has its '=' padding."""
+    return base64.b64encode(text.encode()).decode().rstrip("=")
 
 
 def step_environment(
