@@ -39,6 +39,14 @@ def bait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     return {"outside": outside, "secret": outside / "secret", "scratch": scratch}
 
 
+async def _started(client: httpx.AsyncClient, cfg: dict[str, Any]) -> tuple[str, int]:
+    """Create and start an instance of `cfg`: its id and port."""
+    iid = (await client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
+    r = await client.post(f"/instances/{iid}/start")
+    assert r.status_code == 200, r.text
+    return iid, r.json()["instance"]["port"]
+
+
 async def _reads(port: int, *paths: Path) -> list[str]:
     async with httpx.AsyncClient(timeout=10) as c:
         out = []
@@ -60,10 +68,7 @@ async def test_a_link_repointed_after_the_check_is_not_followed(
     link.symlink_to(models / "notes.txt")  # inside the roots when the start checks
     s = host_settings(tmp_path, backend_read_confinement=mode)
     async with running_host(s, backends=_registry()) as h:
-        iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
-        r = await h.client.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        port = r.json()["instance"]["port"]
+        iid, port = await _started(h.client, cfg)
         link.unlink()
         link.symlink_to(bait["secret"])  # re-pointed once the backend runs
         scratch_file = bait["scratch"] / "own"
@@ -214,10 +219,7 @@ async def test_a_confined_backend_writes_only_its_caches(
     (models / "weights.bin").write_bytes(b"w")
     s = host_settings(tmp_path, backend_write_confinement=writes)
     async with running_host(s, backends=_registry()) as h:
-        iid = (await h.client.post("/instances", json={"config": cfg})).json()["instance"]["id"]
-        r = await h.client.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        port = r.json()["instance"]["port"]
+        iid, port = await _started(h.client, cfg)
         allowed = [
             bait["scratch"] / "tmpfile",  # TMPDIR
             home / ".cache" / "kernels.bin",

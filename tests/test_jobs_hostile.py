@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,11 @@ def _file_size(path: str) -> int | None:
     return os.path.getsize(path) if path and os.path.exists(path) else None
 
 
+def _logged(line: str) -> Callable[[dict], bool]:
+    """A wait_for condition: the first step has printed `line`."""
+    return lambda body: any(e["line"] == line for e in body["steps"][0]["recent_logs"])
+
+
 def _client(daemon: DockerDaemon) -> docker.DockerClient:
     return docker.DockerClient(base_url=daemon.host, timeout=60)
 
@@ -75,7 +80,7 @@ async def test_container_names_of_two_jobs_never_collide(
         await wait_for(
             client,
             "a-b",
-            lambda b: any(e["line"] == "started" for e in b["steps"][0]["recent_logs"]),
+            _logged("started"),
         )
         r = await client.post("/jobs", json=job_body("a", sh("b-c", dockerd.image, "echo two")))
         assert r.status_code == 202, r.text
@@ -282,7 +287,7 @@ async def test_docker_keeps_no_unbounded_copy_of_step_output(
         body = await wait_for(
             client,
             "flood",
-            lambda b: any(e["line"] == "END" for e in b["steps"][0]["recent_logs"]),
+            _logged("END"),
             within=90,
         )
         cid = body["steps"][0]["container_id"]
@@ -335,9 +340,7 @@ async def test_daemon_restart_mid_job_leaves_no_orphan_container(
     async with running(host) as client:
         r = await client.post("/jobs", json=job_body("dd", sh("s", image, "echo up; sleep 60")))
         assert r.status_code == 202
-        await wait_for(
-            client, "dd", lambda b: any(e["line"] == "up" for e in b["steps"][0]["recent_logs"])
-        )
+        await wait_for(client, "dd", _logged("up"))
         await asyncio.to_thread(functools.partial(daemon.stop, keep_data=True))
         body = await wait_for(client, "dd", finished, within=30)
         assert body["status"] == "failed"
@@ -419,9 +422,7 @@ async def test_a_fork_bomb_stays_inside_its_container(
         body = await wait_for(
             client,
             "bomb",
-            lambda b: (
-                finished(b) or any(e["line"] == "spawned" for e in b["steps"][0]["recent_logs"])
-            ),
+            lambda b: finished(b) or _logged("spawned")(b),
             within=60,
         )
         cid = body["steps"][0]["container_id"]

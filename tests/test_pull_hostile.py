@@ -503,21 +503,28 @@ class EndlessTreeHub(FakeHub):
         return None
 
 
-async def test_cancel_stops_a_pull_stuck_in_the_hub_listing(tmp_path):
-    """Cancelling a pull must stop its worker: after cancel() returns, the host makes no more
-    requests (a resumed pull would otherwise race a live writer in the same .partial dir)."""
+ENDLESS_PULL = {
+    "source": "huggingface",
+    "source_uri": "huggingface://acme/tiny",
+    "model_id": "acme/tiny",
+}
+
+
+def _endless_hub(tmp_path: Path) -> EndlessTreeHub:
     root = tmp_path / "hub"
     (root / "acme" / "tiny").mkdir(parents=True)
     (root / "acme" / "tiny" / "config.json").write_text("{}")
-    hub = EndlessTreeHub(root).start()
+    return EndlessTreeHub(root).start()
+
+
+async def test_cancel_stops_a_pull_stuck_in_the_hub_listing(tmp_path):
+    """Cancelling a pull must stop its worker: after cancel() returns, the host makes no more
+    requests (a resumed pull would otherwise race a live writer in the same .partial dir)."""
+    hub = _endless_hub(tmp_path)
     try:
         store = store_for(tmp_path, hf_endpoint=hub.url)
         await store.start()
-        req = {
-            "source": "huggingface",
-            "source_uri": "huggingface://acme/tiny",
-            "model_id": "acme/tiny",
-        }
+        req = dict(ENDLESS_PULL)
         task = asyncio.create_task(store.pull(req))
         deadline = time.monotonic() + 20
         while hub.pages < 20 and time.monotonic() < deadline:
@@ -545,18 +552,11 @@ async def test_an_endless_hub_listing_fails_the_pull(tmp_path, monkeypatch):
     """A Hub whose listing always links to a next page: the pull fails with a 502 saying so
     after MAX_LISTING_PAGES pages, instead of listing until someone cancels it."""
     monkeypatch.setattr(huggingface, "MAX_LISTING_PAGES", 40)
-    root = tmp_path / "hub"
-    (root / "acme" / "tiny").mkdir(parents=True)
-    (root / "acme" / "tiny" / "config.json").write_text("{}")
-    hub = EndlessTreeHub(root).start()
+    hub = _endless_hub(tmp_path)
     try:
         store = store_for(tmp_path, hf_endpoint=hub.url)
         await store.start()
-        req = {
-            "source": "huggingface",
-            "source_uri": "huggingface://acme/tiny",
-            "model_id": "acme/tiny",
-        }
+        req = dict(ENDLESS_PULL)
         with pytest.raises(PullError) as err:
             await asyncio.wait_for(store.pull(req), 60)
         assert err.value.status_code == 502
