@@ -271,3 +271,14 @@ def test_a_cache_link_repointed_while_the_host_runs_is_not_allowed(tmp_path: Pat
     second = confinement.Ruleset.build(policy)
     second.close()
     assert second.skipped == [str(link)]
+    # A link in no writable tree only the operator can re-point (a model root moved to a new
+    # disk): it is followed to its new target.
+    moved = tmp_path / "models"
+    moved.symlink_to(disk)
+    roots = confinement.AccessPolicy((str(moved),), (), (str(cache),), True)
+    confinement.Ruleset.build(roots).close()
+    moved.unlink()
+    moved.symlink_to(ssh)
+    third = confinement.Ruleset.build(roots)
+    third.close()
+    assert third.skipped == []

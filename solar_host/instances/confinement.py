@@ -277,15 +277,18 @@ _first_seen: dict[str, str] = {}
 _first_seen_lock = threading.Lock()
 
 
-def _pinned(path: str) -> str | None:
+def _pinned(path: str, writable: Sequence[str]) -> str | None:
     """The path to build a rule on: where `path` leads, if it still leads where it did the
     first time this host looked; None (with a warning) if it has been re-pointed since.
 
     Backends may write their caches, and some allowed trees live inside others (the HF hub
     cache in ~/.cache): a backend could replace ~/.cache/huggingface with a link to ~/.ssh,
     and every backend started after it would be allowed ~/.ssh. The operator's own links (a
-    cache moved to a larger disk) are there when the host starts, and are kept."""
+    cache moved to a larger disk) are there when the host starts, and are kept. A path inside
+    no writable tree is not pinned: no backend can re-point it, and an operator may."""
     real = os.path.realpath(path)
+    if not any(path.startswith(tree.rstrip("/") + "/") for tree in writable):
+        return real
     with _first_seen_lock:
         first = _first_seen.setdefault(path, real)
     if first != real:
@@ -340,7 +343,7 @@ class Ruleset:
             rules += [(p, handled) for p in policy.writable]
             rules += [(p, ACCESS_READ_FILE) for p in policy.files]
             for path, access in rules:
-                if not cls._add(libc, fd, path, access):
+                if not cls._add(libc, fd, path, access, policy.writable):
                     skipped.append(path)
         except BaseException:
             os.close(fd)
@@ -348,8 +351,10 @@ class Ruleset:
         return cls(fd, skipped)
 
     @staticmethod
-    def _add(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> bool:
-        real = _pinned(path)
+    def _add(
+        libc: ctypes.CDLL, ruleset: int, path: str, access: int, writable: Sequence[str]
+    ) -> bool:
+        real = _pinned(path, writable)
         if real is None:
             return False
         try:
