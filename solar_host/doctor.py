@@ -220,7 +220,7 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
     version = confinement.abi_version() if abi is None else abi
     if version >= 2 or (version == 1 and mode == "required"):
         writes = (
-            "write only their caches, TMPDIR and /dev"
+            "write only their caches, TMPDIR and the devices they use"
             if settings.backend_write_confinement
             else "write anywhere (BACKEND_WRITE_CONFINEMENT=false)"
         )

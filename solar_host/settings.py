@@ -178,13 +178,15 @@ class Settings(BaseModel):
     backend_write_confinement: bool = Field(
         default=True,
         description="Where backends are confined (BACKEND_READ_CONFINEMENT), also limit what "
-        "they may write to their caches (~/.cache, the HF caches, TMPDIR), /dev and "
-        "/var/tmp: never the host's state, its code, the model roots or other files.",
+        "they may write to their caches (~/.cache, the HF caches, TMPDIR), /var/tmp and the "
+        "devices runtimes use: never the host's state, its code, the model roots or other "
+        "files.",
     )
     backend_write_paths: str = Field(
         default="",
         description="More directories confined backends may write (comma-separated), for "
-        "caches kept outside the usual places.",
+        "caches kept outside the usual places (a hub cache that is a link to another disk: "
+        "its target).",
     )
     llama_server_bin: str = Field(
         default="llama-server",

@@ -250,35 +250,125 @@ async def test_a_confined_backend_writes_only_its_caches(
 
 
 @needs_landlock
-def test_a_cache_link_repointed_while_the_host_runs_is_not_allowed(tmp_path: Path) -> None:
+def test_a_cache_link_that_leads_out_of_the_writable_trees_is_not_allowed(tmp_path: Path) -> None:
     """A backend may write ~/.cache, where the HF hub cache (an allowed tree of its own) lives:
     it could replace ~/.cache/huggingface with a link to ~/.ssh, and every backend started
-    after it would have been allowed ~/.ssh. A link that was there when the host first looked
-    (an operator's cache on another disk) is kept."""
+    after it (under this host or the next: backends outlive the host) would have been allowed
+    ~/.ssh. An operator whose cache is a link to another disk names that disk in
+    BACKEND_WRITE_PATHS (the policy's anchors)."""
     disk, ssh = tmp_path / "disk" / "hf", tmp_path / "ssh"
     disk.mkdir(parents=True)
     ssh.mkdir()
     cache = tmp_path / "home" / ".cache"
     cache.mkdir(parents=True)
     link = cache / "huggingface"
-    link.symlink_to(disk)
-    policy = confinement.AccessPolicy((), (), (str(cache), str(link)), True)
-    first = confinement.Ruleset.build(policy)
-    first.close()
-    assert first.skipped == []
-    link.unlink()
     link.symlink_to(ssh)
-    second = confinement.Ruleset.build(policy)
-    second.close()
-    assert second.skipped == [str(link)]
+    planted = confinement.AccessPolicy((), (), (str(cache), str(link)), True)
+    built = confinement.Ruleset.build(planted)
+    built.close()
+    assert built.skipped == [str(link)]  # refused the first time this host looks
+    link.unlink()
+    link.symlink_to(disk)
+    listed = confinement.AccessPolicy((), (), (str(cache), str(link)), True, anchors=(str(disk),))
+    built = confinement.Ruleset.build(listed)
+    built.close()
+    assert built.skipped == []  # the operator's own, listed
+    link.unlink()
+    (cache / "huggingface").mkdir()  # a plain directory in the cache leads nowhere else
+    built = confinement.Ruleset.build(planted)
+    built.close()
+    assert built.skipped == []
     # A link in no writable tree only the operator can re-point (a model root moved to a new
-    # disk): it is followed to its new target.
+    # disk): it is followed wherever it leads.
     moved = tmp_path / "models"
-    moved.symlink_to(disk)
-    roots = confinement.AccessPolicy((str(moved),), (), (str(cache),), True)
-    confinement.Ruleset.build(roots).close()
-    moved.unlink()
     moved.symlink_to(ssh)
-    third = confinement.Ruleset.build(roots)
-    third.close()
-    assert third.skipped == []
+    roots = confinement.AccessPolicy((str(moved),), (), (str(cache),), True)
+    built = confinement.Ruleset.build(roots)
+    built.close()
+    assert built.skipped == []
+
+
+def test_no_cache_variable_makes_a_model_root_writable(tmp_path: Path) -> None:
+    """An instance config's extra_env may name paths inside the model roots (the roots check
+    allows that): TORCH_HOME=<MODELS_DIR> made every model writable by that backend."""
+    models = tmp_path / "models"
+    (models / "cache").mkdir(parents=True)
+    env = {
+        "HOME": str(tmp_path / "home"),
+        "TMPDIR": str(tmp_path / "scratch"),
+        "TORCH_HOME": str(models),
+        "TRITON_CACHE_DIR": str(models / "cache"),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }
+    policy = confinement.access_policy(roots=[models], argv=[], env=env)
+    assert str(tmp_path / "xdg") in policy.writable
+    assert not any(w.startswith(str(models)) for w in policy.writable), policy.writable
+    assert str(models) in policy.trees  # still read
+
+
+def test_only_the_devices_runtimes_use_are_allowed(tmp_path: Path) -> None:
+    """All of /dev was readable and writable: a backend of a host run as root could read and
+    write every disk raw (/dev/sda), and so every file. Now: shared memory, the null and random
+    devices, terminals, GPUs and RDMA."""
+    policy = confinement.access_policy(roots=[], argv=[], env={"HOME": str(tmp_path)})
+    allowed = set(policy.trees) | set(policy.writable)
+    assert "/dev" not in allowed
+    assert {"/dev/shm", "/dev/null", "/dev/urandom", "/dev/dri"} <= set(policy.writable)
+    assert not any(p.startswith(("/dev/sd", "/dev/nvme", "/dev/loop", "/dev/vd")) for p in allowed)
+
+
+@needs_landlock
+async def test_a_confined_backend_writes_its_log_by_path_and_makes_no_device(
+    tmp_path: Path,
+) -> None:
+    """`echo x > /dev/stderr` reopens the backend's log through /proc/self/fd: refused once
+    writes were confined, until the log became a file it may write. Device nodes are never
+    made, even by root in TMPDIR (a node for a disk would be raw access to every file)."""
+    from solar_host.instances import process as procs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    script = (
+        "echo to-stderr >> /dev/stderr && echo stderr-ok; "
+        f"mknod {scratch}/disk b 7 0 2>/dev/null && echo made-a-device || echo no-device; "
+        f"mkfifo {scratch}/fifo && echo fifo-ok"
+    )
+    argv = ["/bin/sh", "-c", script]
+    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    log = tmp_path / "logs" / "backend.log"
+    proc = procs.spawn(argv, env, log, scratch, policy, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    out = log.read_text()
+    assert "to-stderr" in out and "stderr-ok" in out, out
+    assert "no-device" in out and "fifo-ok" in out, out
+
+
+@needs_landlock
+@pytest.mark.skipif(os.geteuid() != 0, reason="as any other user the kernel refuses anyway")
+async def test_a_root_backend_cannot_read_the_hosts_environment(tmp_path: Path) -> None:
+    """Run as root, a confined backend read /proc/<host pid>/environ (HF_TOKEN, API_KEY, the
+    control key: what the host keeps from backends): CAP_SYS_PTRACE took it past Landlock's
+    ptrace check. The launcher drops that and the other capabilities that step around the
+    ruleset."""
+    from solar_host.instances import process as procs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    code = (
+        "import os\n"
+        "try:\n"
+        f"    open('/proc/{os.getpid()}/environ', 'rb').read()\n"
+        "    print('read the host environment')\n"
+        "except OSError as err:\n"
+        "    print('refused', err.errno)\n"
+        "print('CapBnd', [l for l in open('/proc/self/status') if l.startswith('CapBnd')])\n"
+    )
+    argv = [sys.executable, "-c", code]
+    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    log = tmp_path / "backend.log"
+    proc = procs.spawn(argv, env, log, scratch, policy, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    out = log.read_text()
+    assert "refused" in out and "read the host" not in out, out

@@ -32,7 +32,6 @@ import logging
 import os
 import stat
 import sys
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +48,11 @@ _PR_SET_NO_NEW_PRIVS = 38
 ACCESS_WRITE_FILE = 1 << 1
 ACCESS_READ_FILE = 1 << 2
 ACCESS_READ_DIR = 1 << 3
-# Changing a directory's entries: removing, and making every kind of file (ABI 1).
-ACCESS_CHANGE_DIR = sum(1 << bit for bit in range(4, 13))
+# Changing a directory's entries: removing, and making files, directories, sockets, pipes and
+# links (ABI 1). Device nodes (MAKE_CHAR 1<<6, MAKE_BLOCK 1<<11) are handled but never granted:
+# a root backend could otherwise make a node for a disk in TMPDIR and write it raw.
+ACCESS_MAKE_DEVICE = (1 << 6) | (1 << 11)
+ACCESS_CHANGE_DIR = sum(1 << bit for bit in range(4, 13)) & ~ACCESS_MAKE_DEVICE
 # Truncating a file (ABI 3+); without it handled, truncate(2) is allowed everywhere.
 ACCESS_TRUNCATE = 1 << 14
 # Moving or hard-linking a file into another directory (ABI 2+). A ruleset that does not
@@ -71,6 +73,7 @@ def handled_access(abi: int, writes: bool = False) -> int:
     handled = READ_ONLY | (ACCESS_REFER if abi >= 2 else 0)
     if writes:
         handled |= ACCESS_WRITE_FILE | ACCESS_CHANGE_DIR | (ACCESS_TRUNCATE if abi >= 3 else 0)
+        handled |= ACCESS_MAKE_DEVICE
     return handled
 
 
@@ -86,7 +89,6 @@ SYSTEM_TREES = (
     "/opt",
     "/proc",
     "/sys",
-    "/dev",
     "/var/tmp",
     "/run/nvidia-persistenced",
     "/run/systemd/resolve",
@@ -138,8 +140,31 @@ HOME_TREES = (
     ".local/share/vulkan",
     ".config/vulkan",
 )
-# What any backend may write (and read): devices (GPUs are opened read-write, /dev/shm).
-SYSTEM_WRITABLE = ("/dev", "/var/tmp")
+# What any backend may write (and read) of the system.
+SYSTEM_WRITABLE = ("/var/tmp",)
+# Of /dev, the devices runtimes open (read-write): shared memory, the null and random devices,
+# terminals, GPUs (NVIDIA, DRM for Vulkan, AMD's kfd), RDMA for NCCL, huge pages. Never all of
+# /dev: a backend of a host run as root would read and write every disk raw.
+DEV_ENTRIES = (
+    "shm",
+    "null",
+    "zero",
+    "full",
+    "random",
+    "urandom",
+    "tty",
+    "ptmx",
+    "pts",
+    "mqueue",
+    "hugepages",
+    "dri",
+    "kfd",
+    "infiniband",
+    "accel",
+    "nvidia-caps",
+    "nvidia-caps-imex-channels",
+)
+DEV_PREFIXES = ("nvidia",)  # nvidiactl, nvidia0..N, nvidia-uvm, nvidia-modeset, ...
 # Under HOME, the caches the runtimes keep (HF, torch, triton, CUDA's JIT, DeepGEMM).
 HOME_WRITABLE = (".cache", ".triton", ".nv", ".deep_gemm")
 # Variables that move a runtime's cache or scratch space elsewhere.
@@ -204,6 +229,11 @@ class AccessPolicy:
     files: tuple[str, ...]
     writable: tuple[str, ...] = ()
     confine_writes: bool = False
+    # Single files it may write: its own log, which `> /dev/stderr` reopens by path.
+    writable_files: tuple[str, ...] = ()
+    # Trees a writable path may lead into through a link, besides the writable trees that lie
+    # in no other (BACKEND_WRITE_PATHS, the operator's): see Ruleset.build.
+    anchors: tuple[str, ...] = ()
 
 
 def access_policy(
@@ -216,17 +246,25 @@ def access_policy(
     extra_writes: Iterable[str] = (),
     confine_writes: bool = True,
 ) -> AccessPolicy:
-    """What a backend started as `argv` with environment `env` needs to read and write."""
+    """What a backend started as `argv` with environment `env` needs to read and write.
+
+    No tree the backend may write lies in (or is) a model root: a cache variable pointed there
+    (by an instance config's extra_env, which the roots check lets name a path in a model
+    root) is read there, not written, so one backend cannot rewrite the models of others."""
     from solar_host.model_store.roots import hub_caches
 
     home = env.get("HOME") or os.path.expanduser("~")
     writable: list[str] = list(SYSTEM_WRITABLE)
+    writable += _dev_entries()
     writable += [os.path.join(home, t) for t in HOME_WRITABLE]
     writable += [str(c) for c in hub_caches(env)]
     writable += [env[name] for name in CACHE_VARS if env.get(name)]
     if not env.get("TMPDIR"):
         writable.append("/tmp")
-    writable += list(extra_writes)
+    extra_writes = list(extra_writes)
+    writable += extra_writes
+    guarded = [os.path.realpath(p) for p in roots]
+    writable = [w for w in writable if not _within_any(os.path.realpath(w), guarded, w)]
 
     trees: list[str] = list(SYSTEM_TREES)
     trees += [os.path.join("/etc", e) for e in ETC_ENTRIES]
@@ -252,7 +290,31 @@ def access_policy(
         tuple(dict.fromkeys(private_files)),
         tuple(dict.fromkeys(written)),
         confine_writes,
+        anchors=tuple(os.path.abspath(p) for p in extra_writes if os.path.abspath(p) != "/"),
     )
+
+
+def _dev_entries() -> list[str]:
+    out = [os.path.join("/dev", e) for e in DEV_ENTRIES]
+    with contextlib.suppress(OSError):
+        out += [os.path.join("/dev", e) for e in os.listdir("/dev") if e.startswith(DEV_PREFIXES)]
+    return out
+
+
+def _inside(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip("/") + "/")
+
+
+def _within_any(real: str, guarded: Sequence[str], given: str) -> bool:
+    for g in guarded:
+        if _inside(real, g):
+            log.warning(
+                "backends may not write %s: it lies in the model root %s (only read there)",
+                given,
+                g,
+            )
+            return True
+    return False
 
 
 def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]:
@@ -272,33 +334,23 @@ def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]
     return out
 
 
-# Where each allowed path led when this host first built a rule for it (see _pinned).
-_first_seen: dict[str, str] = {}
-_first_seen_lock = threading.Lock()
-
-
-def _pinned(path: str, writable: Sequence[str]) -> str | None:
-    """The path to build a rule on: where `path` leads, if it still leads where it did the
-    first time this host looked; None (with a warning) if it has been re-pointed since.
+def _leads_out(path: str, policy: AccessPolicy) -> str | None:
+    """Where `path` leads, when it lies inside a writable tree (which a backend may have
+    changed) but leads out of every tree a backend may write; None otherwise.
 
     Backends may write their caches, and some allowed trees live inside others (the HF hub
     cache in ~/.cache): a backend could replace ~/.cache/huggingface with a link to ~/.ssh,
-    and every backend started after it would be allowed ~/.ssh. The operator's own links (a
-    cache moved to a larger disk) are there when the host starts, and are kept. A path inside
-    no writable tree is not pinned: no backend can re-point it, and an operator may."""
+    and every backend started after it, under this host or the next, would be allowed
+    ~/.ssh. A writable tree that lies in no other one (~/.cache itself, TMPDIR) can only be
+    moved by the operator, and so can BACKEND_WRITE_PATHS: those are where a nested path may
+    lead. An operator whose hub cache is a link out of ~/.cache lists its target there."""
+    nested = [w for w in policy.writable if w != path and _inside(path, w)]
+    if not nested:
+        return None
+    writable = policy.writable
+    tops = [w for w in writable if not any(o != w and _inside(w, o) for o in writable)]
     real = os.path.realpath(path)
-    if not any(path.startswith(tree.rstrip("/") + "/") for tree in writable):
-        return real
-    with _first_seen_lock:
-        first = _first_seen.setdefault(path, real)
-    if first != real:
-        log.warning(
-            "not allowing backends %s: it led to %s and now leads to %s (re-pointed while the "
-            "host ran; restart the host to accept the new target)",
-            path,
-            first,
-            real,
-        )
+    if any(_inside(real, os.path.realpath(t)) for t in [*tops, *policy.anchors]):
         return None
     return real
 
@@ -339,11 +391,23 @@ class Ruleset:
             raise OSError(err, f"landlock_create_ruleset: {os.strerror(err)}")
         skipped: list[str] = []
         try:
+            granted = handled & ~ACCESS_MAKE_DEVICE
             rules = [(p, handled & READ_RIGHTS) for p in policy.trees]
-            rules += [(p, handled) for p in policy.writable]
+            rules += [(p, granted) for p in policy.writable]
             rules += [(p, ACCESS_READ_FILE) for p in policy.files]
+            rules += [(p, granted & FILE_RIGHTS) for p in policy.writable_files]
             for path, access in rules:
-                if not cls._add(libc, fd, path, access, policy.writable):
+                escaped = _leads_out(path, policy)
+                if escaped is not None:
+                    log.warning(
+                        "not allowing backends %s: it lies in a tree they may write and leads "
+                        "out of it, to %s (a link a backend could have planted; if it is "
+                        "yours, add its target to BACKEND_WRITE_PATHS)",
+                        path,
+                        escaped,
+                    )
+                    skipped.append(path)
+                elif not cls._add(libc, fd, path, access):
                     skipped.append(path)
         except BaseException:
             os.close(fd)
@@ -351,12 +415,8 @@ class Ruleset:
         return cls(fd, skipped)
 
     @staticmethod
-    def _add(
-        libc: ctypes.CDLL, ruleset: int, path: str, access: int, writable: Sequence[str]
-    ) -> bool:
-        real = _pinned(path, writable)
-        if real is None:
-            return False
+    def _add(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> bool:
+        real = os.path.realpath(path)
         try:
             # Not following a link at the end: one put there since realpath looked is refused.
             target = os.open(real, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -22,8 +22,15 @@ import os
 import sys
 
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
 _SYS_LANDLOCK_RESTRICT_SELF = 446
 EXIT_NOT_CONFINED = 126
+# Capabilities that would let a backend of a host run as root step around the ruleset: read
+# another process's memory and environment (SYS_PTRACE: Landlock lets it trace the host), open
+# files by handle (DAC_READ_SEARCH), make device nodes or do raw I/O (MKNOD, SYS_RAWIO), mount,
+# load modules or BPF programs, bypass the LSMs (SYS_ADMIN, SYS_MODULE, BPF, PERFMON,
+# MAC_*), reboot. Dropped from the bounding set before exec, so root's backend never has them.
+_DROP_CAPS = (2, 16, 17, 19, 21, 22, 27, 32, 33, 38, 39)
 
 
 # The two libc calls, through the C module under ctypes: importing ctypes itself costs 4 ms of
@@ -39,6 +46,26 @@ class _LibcCall(_ctypes.CFuncPtr):
 
 class _Libc:
     _handle = _ctypes.dlopen(None, 0)  # the program's own symbols, libc among them
+
+
+def _clear_inheritable() -> None:
+    """Empty the inheritable set (and with it the ambient one), which exec would otherwise
+    carry past the bounding set. Usually empty already; some container runtimes fill it."""
+    caps = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("CapInh:", "CapPrm:", "CapEff:")):
+                name, value = line.split(":")
+                caps[name] = int(value, 16)
+    if not caps.get("CapInh"):
+        return
+    import struct  # only here: most starts never need it
+
+    header = struct.pack("=Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    low, high = 0xFFFFFFFF, 32
+    eff, prm = caps.get("CapEff", 0), caps.get("CapPrm", 0)
+    data = struct.pack("=6I", eff & low, prm & low, 0, eff >> high, prm >> high, 0)
+    _LibcCall(("capset", _Libc))(header, data)
 
 
 def main(args: list[str]) -> int:
@@ -57,6 +84,10 @@ def main(args: list[str]) -> int:
         print(f"solar-host: cannot confine the backend: {reason}", file=sys.stderr)
         return EXIT_NOT_CONFINED
     os.close(fd)
+    if os.geteuid() == 0:
+        for cap in _DROP_CAPS:  # EINVAL for one this kernel does not know: nothing to drop
+            prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+        _clear_inheritable()
     os.execve(path, argv, env)  # raises only if the program vanished since the host looked
     return 127
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -76,12 +77,18 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if cwd is not None:
         cwd.mkdir(parents=True, exist_ok=True)
-    ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
-    command, keep = list(argv), ()
-    if ruleset is not None:
-        command, keep = confinement.confined_command(argv, env, ruleset), (ruleset.fd,)
+    # The log first: a rule needs the file to exist.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    ruleset = None
     try:
+        if policy is not None and policy.confine_writes:
+            # Its own log, which `> /dev/stderr` (a wrapper script, a logging config) reopens
+            # by path through /proc/self/fd.
+            policy = dataclasses.replace(policy, writable_files=(str(log_path),))
+        ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
+        command, keep = list(argv), ()
+        if ruleset is not None:
+            command, keep = confinement.confined_command(argv, env, ruleset), (ruleset.fd,)
         popen = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
