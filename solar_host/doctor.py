@@ -210,6 +210,23 @@ def state_backends_may_write(
     return found
 
 
+def hard_linked_code() -> str | None:
+    """A file of solar-host's own package with more than one name, or None. uv installs
+    packages as hard links to its cache (~/.cache/uv) by default: writing the cache copy,
+    which confined backends may, changes the host's code."""
+    import solar_host
+
+    package = Path(solar_host.__file__).parent
+    for name in ("__init__.py", "main.py", "settings.py", "instances/confinement.py"):
+        path = package / name
+        try:
+            if path.stat().st_nlink > 1:
+                return str(path)
+        except OSError:
+            continue
+    return None
+
+
 def check_confinement(settings: Settings, abi: int | None = None) -> Check:
     """Whether backends will be confined to reading the model roots (Landlock)."""
     from solar_host.instances import confinement
@@ -225,6 +242,16 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
             else "write anywhere (BACKEND_WRITE_CONFINEMENT=false)"
         )
         exposed = state_backends_may_write(settings) if settings.backend_write_confinement else []
+        linked = hard_linked_code() if settings.backend_write_confinement else None
+        if linked is not None:
+            return Check(
+                "read confinement",
+                False,
+                f"solar-host's code is hard-linked ({linked} has {os.stat(linked).st_nlink} "
+                "names): a copy in a package cache backends may write (uv's, in ~/.cache) is "
+                "the same file",
+                "reinstall with copies: UV_LINK_MODE=copy (uv), or pip",
+            )
         if exposed:
             what = "; ".join(f"{path} lies in {tree}" for path, tree in exposed)
             return Check(

@@ -267,6 +267,10 @@ def test_a_cache_link_that_leads_out_of_the_writable_trees_is_not_allowed(tmp_pa
     built = confinement.Ruleset.build(planted)
     built.close()
     assert built.skipped == [str(link)]  # refused the first time this host looks
+    # Nor does the host make the caches that do not exist yet through such a link.
+    hub = confinement.AccessPolicy((), (), (str(cache), str(link / "hub")), True)
+    confinement.prepare_writable(hub)
+    assert not (ssh / "hub").exists()
     link.unlink()
     link.symlink_to(disk)
     listed = confinement.AccessPolicy((), (), (str(cache), str(link)), True, anchors=(str(disk),))

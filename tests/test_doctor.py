@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -174,3 +175,24 @@ def test_host_state_that_backends_may_write_fails_the_check(
     # Writes not confined: nothing to protect, nothing said.
     open_writes = host_settings(tmp_path, backend_write_confinement=False)
     assert doctor.check_confinement(open_writes, abi=7).ok
+
+
+def test_code_hard_linked_into_a_cache_fails_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uv installs packages as hard links to ~/.cache/uv, which confined backends may write:
+    the host's code is then theirs to change."""
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    settings = host_settings(tmp_path)
+    assert doctor.check_confinement(settings, abi=7).ok  # a pip install: one name per file
+    code = tmp_path / "pkg" / "solar_host"
+    (code / "instances").mkdir(parents=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("__init__.py", "main.py", "settings.py", "instances/confinement.py"):
+        (code / name).write_text("")
+    os.link(code / "main.py", cache / "main.py")  # as uv's cache holds it
+    monkeypatch.setattr("solar_host.__file__", str(code / "__init__.py"))
+    check = doctor.check_confinement(settings, abi=7)
+    assert not check.ok and "hard-linked" in check.detail and "UV_LINK_MODE" in check.fix

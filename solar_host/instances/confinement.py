@@ -362,7 +362,8 @@ def prepare_writable(policy: AccessPolicy) -> None:
     if not policy.confine_writes:
         return
     for path in policy.writable:
-        if not os.path.lexists(path):
+        # Never through a link a backend planted (the rule would be refused anyway).
+        if not os.path.lexists(path) and _leads_out(path, policy) is None:
             with contextlib.suppress(OSError):
                 os.makedirs(path, 0o700, exist_ok=True)
 
