@@ -47,6 +47,18 @@ async def _started(client: httpx.AsyncClient, cfg: dict[str, Any]) -> tuple[str,
     return iid, r.json()["instance"]["port"]
 
 
+async def _confined(tmp_path: Path, argv: list[str], env: dict[str, str], cwd: Path) -> str:
+    """Run `argv` as the supervisor runs a backend (the policy it builds, `required`), in
+    `cwd`, until it exits: its output. The log lives in a directory it may not write."""
+    from solar_host.instances import process as procs
+
+    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
+    log = tmp_path / "logs" / "backend.log"
+    proc = procs.spawn(argv, env, log, cwd, policy, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    return log.read_text()
+
+
 async def _reads(port: int, *paths: Path) -> list[str]:
     async with httpx.AsyncClient(timeout=10) as c:
         out = []
@@ -144,8 +156,6 @@ async def test_a_confined_backend_can_move_files_into_place(tmp_path: Path) -> N
     """Caches write a file in a temporary directory and rename it into place (triton does): a
     ruleset that does not handle Landlock's REFER right made every such move EXDEV. Moving a
     file out of a tree the backend may not read, into one it may, stays refused."""
-    from solar_host.instances import process as procs
-
     scratch, outside = tmp_path / "scratch", tmp_path / "outside"
     (scratch / "tmp").mkdir(parents=True)
     outside.mkdir()
@@ -163,11 +173,7 @@ async def test_a_confined_backend_can_move_files_into_place(tmp_path: Path) -> N
     )
     env = {**os.environ, "TMPDIR": str(scratch)}
     argv = [sys.executable, "-c", code]
-    reads = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
-    log = tmp_path / "backend.log"
-    proc = procs.spawn(argv, env, log, scratch, reads, "required")
-    assert await procs.wait_exit(proc, timeout=30)
-    out = log.read_text()
+    out = await _confined(tmp_path, argv, env, scratch)
     assert "moved x" in out and "link refused" in out, out
     assert not (scratch / "stolen").exists()
 
@@ -180,8 +186,6 @@ async def test_a_confined_backend_keeps_the_locale_it_was_given(
     """The launcher is a Python started in the backend's environment: in the C locale it set
     LC_CTYPE=C.UTF-8 there (PEP 538) and handed that on to the backend, which then ran in
     another locale than it would unconfined."""
-    from solar_host.instances import process as procs
-
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = {
@@ -191,11 +195,8 @@ async def test_a_confined_backend_keeps_the_locale_it_was_given(
     if lc_ctype is not None:
         env["LC_CTYPE"] = lc_ctype
     argv = ["/bin/sh", "-c", 'echo "LC_CTYPE=[${LC_CTYPE-unset}]"']
-    reads = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
-    log = tmp_path / "backend.log"
-    proc = procs.spawn(argv, env, log, scratch, reads, "required")
-    assert await procs.wait_exit(proc, timeout=30)
-    assert f"LC_CTYPE=[{lc_ctype or 'unset'}]" in log.read_text()
+    out = await _confined(tmp_path, argv, env, scratch)
+    assert f"LC_CTYPE=[{lc_ctype or 'unset'}]" in out
 
 
 @needs_landlock
@@ -328,8 +329,6 @@ async def test_a_confined_backend_writes_its_log_by_path_and_makes_no_device(
     """`echo x > /dev/stderr` reopens the backend's log through /proc/self/fd: refused once
     writes were confined, until the log became a file it may write. Device nodes are never
     made, even by root in TMPDIR (a node for a disk would be raw access to every file)."""
-    from solar_host.instances import process as procs
-
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch)}
@@ -339,11 +338,7 @@ async def test_a_confined_backend_writes_its_log_by_path_and_makes_no_device(
         f"mkfifo {scratch}/fifo && echo fifo-ok"
     )
     argv = ["/bin/sh", "-c", script]
-    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
-    log = tmp_path / "logs" / "backend.log"
-    proc = procs.spawn(argv, env, log, scratch, policy, "required")
-    assert await procs.wait_exit(proc, timeout=30)
-    out = log.read_text()
+    out = await _confined(tmp_path, argv, env, scratch)
     assert "to-stderr" in out and "stderr-ok" in out, out
     assert "no-device" in out and "fifo-ok" in out, out
 
@@ -355,8 +350,6 @@ async def test_a_root_backend_cannot_read_the_hosts_environment(tmp_path: Path) 
     control key: what the host keeps from backends): CAP_SYS_PTRACE took it past Landlock's
     ptrace check. The launcher drops that and the other capabilities that step around the
     ruleset."""
-    from solar_host.instances import process as procs
-
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch)}
@@ -370,9 +363,5 @@ async def test_a_root_backend_cannot_read_the_hosts_environment(tmp_path: Path) 
         "print('CapBnd', [l for l in open('/proc/self/status') if l.startswith('CapBnd')])\n"
     )
     argv = [sys.executable, "-c", code]
-    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=argv, env=env)
-    log = tmp_path / "backend.log"
-    proc = procs.spawn(argv, env, log, scratch, policy, "required")
-    assert await procs.wait_exit(proc, timeout=30)
-    out = log.read_text()
+    out = await _confined(tmp_path, argv, env, scratch)
     assert "refused" in out and "read the host" not in out, out
