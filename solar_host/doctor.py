@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -186,44 +186,39 @@ def check_gpu(probe: Any) -> Check:
     return Check("gpu", True, f"{kind} (no GPU: llama.cpp runs on the CPU)")
 
 
-def state_backends_may_write(
-    settings: Settings, env: Mapping[str, str] | None = None
-) -> list[tuple[str, str]]:
+def state_backends_may_write(settings: Settings) -> list[tuple[str, str]]:
     """(directory, writable tree) for each of the host's state, log and job directories that
     lies in a tree confined backends may still write (a CONFIG_FILE under /tmp, say)."""
     from solar_host.instances import confinement
 
     policy = confinement.access_policy(
-        roots=[],
-        argv=[],
-        env=os.environ if env is None else env,
-        extra_writes=settings.backend_extra_write_dirs,
+        roots=[], argv=[], env=os.environ, extra_writes=settings.backend_extra_write_dirs
     )
+    trees = [(os.path.realpath(tree), tree) for tree in policy.writable]
     found = []
     for path in (settings.config_file.parent, settings.log_dir, settings.jobs_dir):
         real = os.path.realpath(path)
-        for tree in policy.writable:
-            top = os.path.realpath(tree)
-            if real == top or real.startswith(top.rstrip("/") + "/"):
-                found.append((real, tree))
-                break
+        tree = next((given for top, given in trees if confinement.inside(real, top)), None)
+        if tree is not None:
+            found.append((real, tree))
     return found
 
 
-def hard_linked_code() -> str | None:
-    """A file of solar-host's own package with more than one name, or None. uv installs
-    packages as hard links to its cache (~/.cache/uv) by default: writing the cache copy,
-    which confined backends may, changes the host's code."""
+def hard_linked_code() -> tuple[str, int] | None:
+    """A file of solar-host's own package with more than one name, and its count of names;
+    None when there is none. uv installs packages as hard links to its cache (~/.cache/uv) by
+    default: writing the cache copy, which confined backends may, changes the host's code."""
     import solar_host
 
     package = Path(solar_host.__file__).parent
     for name in ("__init__.py", "main.py", "settings.py", "instances/confinement.py"):
         path = package / name
         try:
-            if path.stat().st_nlink > 1:
-                return str(path)
+            names = path.stat().st_nlink
         except OSError:
             continue
+        if names > 1:
+            return str(path), names
     return None
 
 
@@ -241,17 +236,16 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
             if settings.backend_write_confinement
             else "write anywhere (BACKEND_WRITE_CONFINEMENT=false)"
         )
-        exposed = state_backends_may_write(settings) if settings.backend_write_confinement else []
         linked = hard_linked_code() if settings.backend_write_confinement else None
         if linked is not None:
             return Check(
                 "read confinement",
                 False,
-                f"solar-host's code is hard-linked ({linked} has {os.stat(linked).st_nlink} "
-                "names): a copy in a package cache backends may write (uv's, in ~/.cache) is "
-                "the same file",
+                f"solar-host's code is hard-linked ({linked[0]} has {linked[1]} names): a copy "
+                "in a package cache backends may write (uv's, in ~/.cache) is the same file",
                 "reinstall with copies: UV_LINK_MODE=copy (uv), or pip",
             )
+        exposed = state_backends_may_write(settings) if settings.backend_write_confinement else []
         if exposed:
             what = "; ".join(f"{path} lies in {tree}" for path, tree in exposed)
             return Check(

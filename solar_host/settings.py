@@ -379,23 +379,23 @@ class Settings(BaseModel):
 
     @property
     def control_urls(self) -> list[str]:
-        return [u.strip() for u in self.solar_control_url.split(",") if u.strip()]
+        return _items(self.solar_control_url)
 
     @property
     def model_root_dirs(self) -> list[Path]:
         """MODELS_DIR first (relative paths resolve against it), then MODEL_ROOTS."""
-        extra = [Path(p.strip()).expanduser() for p in self.model_roots.split(",") if p.strip()]
+        extra = [Path(p).expanduser() for p in _items(self.model_roots)]
         return [self.models_dir, *extra]
 
     @property
     def backend_extra_read_dirs(self) -> list[str]:
         """BACKEND_READ_PATHS: trees backends may read beyond the model roots and runtime."""
-        return [p.strip() for p in self.backend_read_paths.split(",") if p.strip()]
+        return _items(self.backend_read_paths)
 
     @property
     def backend_extra_write_dirs(self) -> list[str]:
         """BACKEND_WRITE_PATHS: trees backends may write beyond their caches."""
-        return [p.strip() for p in self.backend_write_paths.split(",") if p.strip()]
+        return _items(self.backend_write_paths)
 
     @property
     def control_echo_delays(self) -> list[float]:
@@ -410,6 +410,11 @@ class Settings(BaseModel):
     def reservations_file(self) -> Path:
         """The reservation ledger's file: beside config.json."""
         return self.config_file.parent / "reservations.json"
+
+
+def _items(text: str) -> list[str]:
+    """The non-blank items of a comma-separated setting, stripped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _echo_delays(text: str) -> list[float]:

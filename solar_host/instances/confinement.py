@@ -32,7 +32,7 @@ import logging
 import os
 import stat
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,13 +301,14 @@ def _dev_entries() -> list[str]:
     return out
 
 
-def _inside(path: str, tree: str) -> bool:
+def inside(path: str, tree: str) -> bool:
+    """Whether `path` is `tree` or lies beneath it (both absolute, as given)."""
     return path == tree or path.startswith(tree.rstrip("/") + "/")
 
 
 def _within_any(real: str, guarded: Sequence[str], given: str) -> bool:
     for g in guarded:
-        if _inside(real, g):
+        if inside(real, g):
             log.warning(
                 "backends may not write %s: it lies in the model root %s (only read there)",
                 given,
@@ -334,9 +335,10 @@ def _program_trees(program: str, env: Mapping[str, str], home: str) -> list[str]
     return out
 
 
-def _leads_out(path: str, policy: AccessPolicy) -> str | None:
-    """Where `path` leads, when it lies inside a writable tree (which a backend may have
-    changed) but leads out of every tree a backend may write; None otherwise.
+def escapes(policy: AccessPolicy) -> Callable[[str], str | None]:
+    """A check for the paths of `policy`: where a path leads, when it lies inside a writable
+    tree (which a backend may have changed) but leads out of every tree a backend may write;
+    None otherwise. The trees' own real paths are worked out once, not once per rule.
 
     Backends may write their caches, and some allowed trees live inside others (the HF hub
     cache in ~/.cache): a backend could replace ~/.cache/huggingface with a link to ~/.ssh,
@@ -344,15 +346,28 @@ def _leads_out(path: str, policy: AccessPolicy) -> str | None:
     ~/.ssh. A writable tree that lies in no other one (~/.cache itself, TMPDIR) can only be
     moved by the operator, and so can BACKEND_WRITE_PATHS: those are where a nested path may
     lead. An operator whose hub cache is a link out of ~/.cache lists its target there."""
-    nested = [w for w in policy.writable if w != path and _inside(path, w)]
-    if not nested:
-        return None
-    writable = policy.writable
-    tops = [w for w in writable if not any(o != w and _inside(w, o) for o in writable)]
-    real = os.path.realpath(path)
-    if any(_inside(real, os.path.realpath(t)) for t in [*tops, *policy.anchors]):
-        return None
-    return real
+    writable = frozenset(policy.writable)
+
+    def nested(path: str) -> bool:  # beneath another writable tree
+        return any(parent in writable for parent in _ancestors(path))
+
+    tops = [w for w in policy.writable if not nested(w)]
+    havens = [os.path.realpath(t) for t in [*tops, *policy.anchors]]
+
+    def leads_out(path: str) -> str | None:
+        if not nested(path):
+            return None
+        real = os.path.realpath(path)
+        return None if any(inside(real, h) for h in havens) else real
+
+    return leads_out
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """The directories above `path` (absolute), nearest first."""
+    while (parent := os.path.dirname(path)) != path:
+        yield parent
+        path = parent
 
 
 def prepare_writable(policy: AccessPolicy) -> None:
@@ -361,9 +376,10 @@ def prepare_writable(policy: AccessPolicy) -> None:
     could not make one in the directory above."""
     if not policy.confine_writes:
         return
+    leads_out = escapes(policy)
     for path in policy.writable:
         # Never through a link a backend planted (the rule would be refused anyway).
-        if not os.path.lexists(path) and _leads_out(path, policy) is None:
+        if not os.path.lexists(path) and leads_out(path) is None:
             with contextlib.suppress(OSError):
                 os.makedirs(path, 0o700, exist_ok=True)
 
@@ -397,8 +413,9 @@ class Ruleset:
             rules += [(p, granted) for p in policy.writable]
             rules += [(p, ACCESS_READ_FILE) for p in policy.files]
             rules += [(p, granted & FILE_RIGHTS) for p in policy.writable_files]
+            leads_out = escapes(policy)
             for path, access in rules:
-                escaped = _leads_out(path, policy)
+                escaped = leads_out(path)
                 if escaped is not None:
                     log.warning(
                         "not allowing backends %s: it lies in a tree they may write and leads "
@@ -417,17 +434,12 @@ class Ruleset:
 
     @staticmethod
     def _add(libc: ctypes.CDLL, ruleset: int, path: str, access: int) -> bool:
-        real = os.path.realpath(path)
         try:
-            # Not following a link at the end: one put there since realpath looked is refused.
-            target = os.open(real, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+            target = os.open(path, os.O_PATH | os.O_CLOEXEC)
         except OSError:
             return False  # absent here (no /lib32): nothing to allow
         try:
-            mode = os.fstat(target).st_mode
-            if stat.S_ISLNK(mode):
-                return False
-            if not stat.S_ISDIR(mode):
+            if not stat.S_ISDIR(os.fstat(target).st_mode):
                 access &= FILE_RIGHTS  # a file takes file rights only
             rule = _PathBeneathAttr(access, target)
             if (
