@@ -305,6 +305,14 @@ class Settings(BaseModel):
         "kernel kills the step's processes, not the host's. Unset: no limit (job processes are "
         "still the first the kernel kills when the machine runs out of memory).",
     )
+    job_step_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Most seconds one job step may run, from its container's start; past it "
+        "the container is stopped (SIGTERM, then SIGKILL after 10 s) and the step fails, saying "
+        "so. A step's own timeout_s may be shorter, never longer. Unset: steps without a "
+        "timeout_s run until they end.",
+    )
     job_cleanup_interval_s: float = Field(
         default=300.0, gt=0, description="Period of the finished-job retention sweep."
     )

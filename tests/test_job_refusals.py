@@ -66,11 +66,11 @@ async def test_unimplemented_step_fields_are_named(
 ) -> None:
     host = Host(make_settings(tmp_path))
     async with running(host) as client:
-        step = sh("a", dockerd.image, "echo hi", timeout_s=5, restart_policy="always")
+        step = sh("a", dockerd.image, "echo hi", retries=5, restart_policy="always")
         r = await client.post("/jobs", json=job_body("u-1", step))
         assert r.status_code == 422, r.text
         detail = r.json()["detail"]
-        assert "not implemented" in detail and "timeout_s" in detail and "restart_policy" in detail
+        assert "not implemented" in detail and "retries" in detail and "restart_policy" in detail
         # Job-level keys control sends stay accepted, and a clean step still runs.
         r = await client.post("/jobs", json=job_body("u-2", sh("a", dockerd.image, "echo ok")))
         assert r.status_code == 202, r.text

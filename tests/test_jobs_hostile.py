@@ -460,3 +460,84 @@ async def test_a_step_past_its_memory_limit_fails_and_says_why(
     assert s["exit_code"] == 137, s
     assert "JOB_MEMORY_LIMIT_GB (0.0625 GiB)" in body["error_message"], body["error_message"]
     assert "out of memory" in s["error_message"], s
+
+
+# --- 10. a step that never ends holds its job, and its reservation, forever -------------------
+
+
+async def test_a_step_past_its_time_limit_is_stopped_and_fails_saying_why(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Steps had no time limit: a hung step (a deadlocked collective, a download that never
+    finishes) kept its job running and its GPUs taken until someone noticed. A step's
+    timeout_s stops its container once it has run that long; the step fails and says which
+    limit it ran past, and the steps after it do not run."""
+    host = Host(make_settings(tmp_path))
+    steps = [
+        sh("quick", dockerd.image, "echo fine", timeout_s=60),
+        sh("hang", dockerd.image, "echo hanging; exec sleep 600", timeout_s=1.5),
+        sh("never", dockerd.image, "echo ran"),
+    ]
+    async with running(host) as client:
+        r = await client.post("/jobs", json=job_body("hung", *steps))
+        assert r.status_code == 202, r.text
+        started = time.monotonic()
+        body = await wait_for(client, "hung", finished, within=60)
+        took = time.monotonic() - started
+    assert body["status"] == "failed", body
+    quick, hang, never = body["steps"]
+    assert quick["status"] == "completed" and quick["time_limit_s"] == 60, quick
+    assert hang["status"] == "failed" and hang["time_limit_s"] == 1.5, hang
+    assert hang["exit_code"] == 143, hang  # busybox sleep ends on the SIGTERM of the stop
+    assert hang["duration_s"] >= 1.5, hang
+    assert "time limit of 1.5 s (timeout_s)" in hang["error_message"], hang
+    assert hang["error_message"].startswith("timed out"), hang
+    assert "time limit of 1.5 s (timeout_s) and was stopped" in body["error_message"], body
+    assert never["status"] == "cancelled" and never["started_at"] is None, never
+    assert took < 30, f"the job took {took:.1f} s to fail"
+    assert job_containers(dockerd, "hung") == []
+
+
+async def test_the_operators_step_time_limit_caps_what_a_job_asks(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """JOB_STEP_TIMEOUT_S is the most a step may run, whatever its timeout_s says, and the
+    limit of steps that give none: a job cannot lift the operator's limit by asking."""
+    host = Host(make_settings(tmp_path, job_step_timeout_s=1.5))
+    async with running(host) as client:
+        greedy = sh("greedy", dockerd.image, "exec sleep 600", timeout_s=3600)
+        r = await client.post("/jobs", json=job_body("greedy", greedy))
+        assert r.status_code == 202, r.text
+        silent = sh("silent", dockerd.image, "exec sleep 600")
+        r = await client.post("/jobs", json=job_body("silent", silent))
+        assert r.status_code == 202, r.text
+        shorter = sh("shorter", dockerd.image, "exec sleep 600", timeout_s=1)
+        r = await client.post("/jobs", json=job_body("shorter", shorter))
+        assert r.status_code == 202, r.text
+        bodies = [await wait_for(client, j, finished, within=60) for j in ("greedy", "silent")]
+        short = await wait_for(client, "shorter", finished, within=60)
+    for body in bodies:
+        step = body["steps"][0]
+        assert body["status"] == "failed", body
+        assert step["time_limit_s"] == 1.5, step
+        assert "time limit of 1.5 s (JOB_STEP_TIMEOUT_S)" in step["error_message"], step
+    step = short["steps"][0]
+    assert step["time_limit_s"] == 1 and "(timeout_s)" in step["error_message"], step
+
+
+@pytest.mark.parametrize("value", [0, -1, "soon", 10**9, True])
+async def test_a_step_time_limit_that_is_no_time_limit_is_a_400_naming_it(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+    value: Any,
+) -> None:
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        r = await client.post(
+            "/jobs", json=job_body("t-1", sh("a", dockerd.image, "echo hi", timeout_s=value))
+        )
+        assert r.status_code == 400, r.text
+        assert "steps.0.timeout_s" in r.json()["detail"], r.text
+        assert (await client.get("/jobs/t-1")).status_code == 404

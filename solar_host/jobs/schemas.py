@@ -27,6 +27,9 @@ RESERVED_JOB_IDS = frozenset({"jobs_store.json"})
 RESERVED_JOB_ID_PREFIX = "jobs_store.json"
 # 100 years: larger values overflow datetime arithmetic (retention deadline, sweep).
 MAX_RETENTION_HOURS = 100 * 365 * 24.0
+# A step's time limit: one year at most (asyncio timers take any float, but a limit past that
+# is a typo, and "no limit" is saying none).
+MAX_STEP_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def validate_slug(value: str, what: str) -> str:
@@ -156,6 +159,14 @@ class StepDefinition(BaseModel):
         description="Mount the host's HF cache read-write. Default: only for preparation "
         "steps (they download the models the job uses); every other step reads it only.",
     )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_STEP_TIMEOUT_S,
+        description="Seconds the step may run, from its container's start; past it the "
+        "container is stopped and the step fails. JOB_STEP_TIMEOUT_S, where set, is the most a "
+        "step may ask for and the limit of those that give none.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -184,6 +195,13 @@ class StepDefinition(BaseModel):
     @classmethod
     def _name(cls, v: str) -> str:
         return validate_slug(v, "step name")
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _timeout(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would take true as 1 s
+            raise ValueError("timeout_s must be a number of seconds")
+        return v
 
     @property
     def writes_hf_cache(self) -> bool:
@@ -298,6 +316,8 @@ class StepState(BaseModel):
     duration_s: float | None = None
     exit_code: int | None = None
     error_message: str | None = None
+    # The time limit the step runs under (timeout_s or JOB_STEP_TIMEOUT_S), set as it starts.
+    time_limit_s: float | None = None
 
 
 class JobState(BaseModel):

@@ -200,6 +200,23 @@ def container_spec(
     )
 
 
+@dataclass(frozen=True)
+class TimeLimit:
+    seconds: float
+    source: str  # what set it, for the step's error: "timeout_s" or "JOB_STEP_TIMEOUT_S"
+
+
+def step_time_limit(settings: Settings, step: StepDefinition) -> TimeLimit | None:
+    """The step's own timeout_s, capped by the operator's JOB_STEP_TIMEOUT_S (which is also the
+    limit of steps that give none); None: the step runs until it ends."""
+    ceiling = settings.job_step_timeout_s
+    if step.timeout_s is not None and (ceiling is None or step.timeout_s <= ceiling):
+        return TimeLimit(step.timeout_s, "timeout_s")
+    if ceiling is not None:
+        return TimeLimit(ceiling, "JOB_STEP_TIMEOUT_S")
+    return None
+
+
 def _iso(dt: Any) -> str:
     return dt.isoformat()
 
@@ -237,8 +254,15 @@ class StepRunner:
         step = job.steps[index]
         job_id = job.job_id
         started = utc_now()
+        limit = step_time_limit(self.settings, step)
         self.store.update(job_id, current_step_index=index)
-        self.store.update_step(job_id, index, status=StepStatus.running, started_at=started)
+        self.store.update_step(
+            job_id,
+            index,
+            status=StepStatus.running,
+            started_at=started,
+            time_limit_s=None if limit is None else limit.seconds,
+        )
         self._publish(
             "step_started", self._step_payload(job_id, step.name, index, "running", started)
         )
@@ -278,23 +302,31 @@ class StepRunner:
             await asyncio.to_thread(docker.start, container_id)
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started
                 await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
-            exit_code = await run_in_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
+            exit_code, timed_out = await self._wait(docker, job_id, container_id, limit)
             try:
                 await asyncio.wait_for(asyncio.shield(pump), LOG_DRAIN_TIMEOUT_S)
             except TimeoutError:
                 log.warning("job %s step %s: log stream did not end in time", job_id, step.name)
             if run.cancel.is_set():
                 return self._cancelled(job_id, step.name, index, started, exit_code)
-            if exit_code == 0:
+            if exit_code == 0 and not timed_out:
                 return self._completed(job_id, step.name, index, started)
             tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
             summary = "\n".join(tail)
             message = f"Step '{step.name}' failed with exit code {exit_code}"
-            if await asyncio.to_thread(docker.oom_killed, container_id):
-                limit = self.settings.job_memory_limit_gb
+            if timed_out:
+                assert limit is not None
+                ran_past = (
+                    f"ran past its time limit of {limit.seconds:g} s ({limit.source}) "
+                    "and was stopped"
+                )
+                message = f"Step '{step.name}' {ran_past} (exit code {exit_code})"
+                summary = f"timed out: the step {ran_past}\n{summary}".rstrip("\n")
+            elif await asyncio.to_thread(docker.oom_killed, container_id):
+                memory_gb = self.settings.job_memory_limit_gb
                 why = (
-                    f"out of memory: the step reached JOB_MEMORY_LIMIT_GB ({limit:g} GiB)"
-                    if limit is not None
+                    f"out of memory: the step reached JOB_MEMORY_LIMIT_GB ({memory_gb:g} GiB)"
+                    if memory_gb is not None
                     else "out of memory: the machine ran out and the kernel killed the step"
                 )
                 message = f"{message} ({why})"
@@ -322,6 +354,28 @@ class StepRunner:
             run.active_container = None
             if container_id is not None:
                 await asyncio.to_thread(docker.remove, container_id)
+
+    async def _wait(
+        self, docker: DockerJobs, job_id: str, container_id: str, limit: TimeLimit | None
+    ) -> tuple[int, bool]:
+        """The container's exit code, and whether it was stopped for running past `limit`
+        (SIGTERM, then SIGKILL after STOP_GRACE_S: the same stop a cancel gives)."""
+        waiter = run_in_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
+        if limit is None:
+            return await waiter, False
+        try:
+            # shield: the timeout must not cancel the wait, whose exit code is still wanted.
+            return await asyncio.wait_for(asyncio.shield(waiter), limit.seconds), False
+        except TimeoutError:
+            log.warning(
+                "job %s: step container %s ran past its time limit of %g s (%s); stopping it",
+                job_id,
+                container_id[:12],
+                limit.seconds,
+                limit.source,
+            )
+            await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
+            return await waiter, True
 
     # --- outcomes: one store change, then the marker and the event --------------------------
 
