@@ -376,6 +376,9 @@ class StepRunner:
             )
             await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
             return await waiter, True
+        finally:
+            if not waiter.done():  # this task was cancelled (the host stopping)
+                waiter.cancel()
 
     # --- outcomes: one store change, then the marker and the event --------------------------
 
