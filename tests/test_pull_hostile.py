@@ -1,4 +1,4 @@
-# ruff: noqa: ASYNC240  (tests inspect files on disk between awaits)
+# ruff: noqa: ASYNC230, ASYNC240  (tests inspect files on disk between awaits)
 """Model pulls against a hostile or broken remote (adversarial review).
 
 A small OCI registry stand-in (`HostileRegistry`, stdlib http.server on 127.0.0.1) serves
@@ -32,7 +32,7 @@ from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
 from solar_host.resources.probes import Usage
 from tests.fixtures.fakehub import FakeHub
-from tests.test_model_store import make_store
+from tests.test_model_store import GB, FakeDisk, make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
@@ -388,6 +388,7 @@ async def test_malformed_manifest_is_a_502(tmp_path, hreg, body):
         pytest.param(["."], id="dot"),
         pytest.param(["x" * 300], id="name-too-long"),
         pytest.param(["a", "a/b"], id="file-and-dir-collide"),
+        pytest.param(["x", "x"], id="one-name-twice"),
     ],
 )
 async def test_unplaceable_layer_titles_are_a_502(tmp_path, hreg, titles):
@@ -564,3 +565,264 @@ async def test_an_endless_hub_listing_fails_the_pull(tmp_path, monkeypatch):
         assert hub.pages == 40  # the page past the cap is never asked for
     finally:
         hub.stop()
+
+
+# --- 6. a second review: what a pull does to the copy already on disk -------------------------
+
+
+def _hub_repo(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    repo = tmp_path / "hub" / "acme" / "m"
+    repo.mkdir(parents=True)
+    for name, data in files.items():
+        (repo / name).write_bytes(data)
+    return tmp_path / "hub"
+
+
+def _hf(filters: list[str] | None = None) -> dict:
+    req = {"source": "huggingface", "source_uri": "huggingface://acme/m", "model_id": "acme/m"}
+    if filters is not None:
+        req["file_filters"] = filters
+    return req
+
+
+async def test_low_disk_while_adding_files_keeps_the_model_already_pulled(tmp_path):
+    """A pull asking for more files of a model on disk moves the model aside to reuse it. The
+    disk floor's abort then deleted that directory, the model with it: 507, and GET /models
+    empty. Now only what the pull added goes, and the model is as it was."""
+    a = os.urandom(300_000)
+    hub = FakeHub(_hub_repo(tmp_path, {"a.gguf": a, "b.gguf": os.urandom(3_000_000)})).start()
+    try:
+        low = {"now": False}
+        probe = FakeDisk(lambda _n: 1 * GB if low["now"] else 100 * GB)
+        store = make_store(tmp_path, hf_endpoint=hub.url, probe=probe, min_free_disk_gb=2)
+        await store.start()
+        first = await store.pull(_hf(["a.gguf"]))
+        hub.bytes_per_s = 1_000_000
+        adding = asyncio.create_task(store.pull(_hf(["b.gguf"])))
+        await asyncio.sleep(0.5)
+        low["now"] = True
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(adding, 30)
+        assert err.value.status_code == 507
+        root = Path(first["path"])
+        assert (root / "a.gguf").read_bytes() == a
+        assert not (root / "b.gguf").exists()
+        assert not list(root.rglob("*.incomplete"))  # the disk the aborted file took is freed
+        [model] = store.list_models()
+        assert [f["name"] for f in model["files"]] == ["a.gguf"]
+        low["now"] = False
+        hub.bytes_per_s = None
+        again = await store.pull(_hf(["a.gguf"]))
+        assert again["cached"] is True
+    finally:
+        hub.stop()
+
+
+async def test_a_damaged_hub_file_is_fetched_again_not_kept(tmp_path):
+    """A pulled file cut short with its time kept (cp -p, a restore): the store saw the size
+    change and pulled again, but huggingface_hub's metadata said the file was complete, so the
+    damaged file stayed and its size was recorded; every later pull answered it as cached."""
+    data = os.urandom(200_000)
+    hub = FakeHub(_hub_repo(tmp_path, {"w.bin": data})).start()
+    try:
+        store = make_store(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        f = Path((await store.pull(_hf()))["path"], "w.bin")
+        st = f.stat()
+        with open(f, "r+b") as fh:
+            fh.truncate(1000)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+        again = await store.pull(_hf())
+        assert again["cached"] is False
+        assert Path(again["path"], "w.bin").read_bytes() == data
+        assert store.manifest.get("huggingface://acme/m").file_sizes == {"w.bin": len(data)}
+    finally:
+        hub.stop()
+
+
+async def test_two_sources_of_one_directory_pulled_at_once_one_is_refused(tmp_path, hreg):
+    """repo://a--b:c and repo://a:b--c share a directory. Pulled at the same moment, both passed
+    the check (it came before an await, the registration after), and one recorded the other's
+    files. Now the second is a 409 and the first's files are its own."""
+    hreg.add_artifact("proj/a--b", "c", [("one.gguf", b"GGUF-first" * 1000, False)])
+    hreg.add_artifact("proj/a", "b--c", [("two.gguf", b"GGUF-second" * 1000, False)])
+    for attempt in range(3):
+        store = store_for(tmp_path / str(attempt), hreg.url)
+        await store.start()
+        results = await asyncio.gather(
+            store.pull(harbor("a--b", "c")), store.pull(harbor("a", "b--c")), return_exceptions=True
+        )
+        refused = [r for r in results if isinstance(r, PullError)]
+        assert [r.status_code for r in refused] == [409], results
+        [entry] = store.manifest.entries()
+        want = "one.gguf" if entry.source_uri == "repo://a--b:c" else "two.gguf"
+        assert sorted(p.name for p in Path(entry.path).iterdir()) == [want]
+
+
+async def test_a_pull_pinned_to_a_new_digest_is_not_answered_from_the_old_copy(tmp_path, hreg):
+    """repo://m:v1 pulled, then the tag moved: a pull pinned to the new manifest digest was
+    answered `cached` with the old bytes. And the request's own `digest` replaced the one the
+    host computed, so GET /models showed whatever the caller wrote."""
+    hreg.add_artifact("proj/m", "v1", [("m.gguf", b"GGUF-old", False)])
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    await store.pull(harbor("m"))
+    new = hreg.add_artifact("proj/m", "v1", [("m.gguf", b"GGUF-new", False)])
+    digest = "sha256:" + hashlib.sha256(new).hexdigest()
+    hreg.manifests[("proj/m", digest)] = new
+    label = "sha256:" + "0" * 64
+    r = await store.pull(harbor("m", ref=f"proj/m:v1@{digest}", digest=label))
+    assert r["cached"] is False
+    assert Path(r["path"], "m.gguf").read_bytes() == b"GGUF-new"
+    assert store.manifest.get("repo://m:v1").digest == digest
+    again = await store.pull(harbor("m", ref=f"proj/m:v1@{digest}"))
+    assert again["cached"] is True
+
+
+async def test_an_empty_file_in_an_artifact_is_pulled(tmp_path, hreg):
+    hreg.add_artifact("proj/e", "v1", [("m.gguf", b"GGUF" * 10, False), ("empty.txt", b"", False)])
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    r = await asyncio.wait_for(store.pull(harbor("e")), 30)
+    assert Path(r["path"], "empty.txt").read_bytes() == b""
+
+
+def _chunked(h, total: int, tail: bytes) -> None:
+    """Answer 200 with `total` bytes of JSON whitespace, then `tail`, chunked (no length)."""
+    h.send_response(200)
+    h.send_header("Content-Type", "application/json")
+    h.send_header("Transfer-Encoding", "chunked")
+    h.end_headers()
+    block = b" " * (256 * 1024)
+    try:
+        for _ in range(total // len(block)):
+            h.wfile.write(b"%x\r\n" % len(block) + block + b"\r\n")
+        h.wfile.write(b"%x\r\n" % len(tail) + tail + b"\r\n0\r\n\r\n")
+    except OSError:
+        pass
+
+
+class HugeInfoHub(FakeHub):
+    """A Hub whose repository info is an answer of `size` bytes with no length given."""
+
+    size = 0
+
+    def _handle(self, h, head):
+        parts = urlsplit(h.path).path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and "tree" not in parts and not head:
+            body = json.dumps({"id": "acme/m", "sha": "a" * 40, "siblings": []}).encode()
+            return _chunked(h, self.size, body)
+        return super()._handle(h, head)
+
+
+async def test_an_endless_hub_answer_is_refused_not_read_into_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface, "MAX_METADATA_BYTES", 1 * MB)
+    hub = HugeInfoHub(_hub_repo(tmp_path, {"w.bin": b"x"}))
+    hub.size = 8 * MB
+    hub.start()
+    try:
+        store = make_store(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(_hf()), 60)
+        assert err.value.status_code == 502 and "over 1 MiB" in err.value.detail
+    finally:
+        hub.stop()
+
+
+async def test_an_endless_token_answer_is_refused_not_read_into_memory(tmp_path, hreg, monkeypatch):
+    monkeypatch.setattr(oci, "MAX_RESPONSE_BYTES", 1 * MB)
+    hreg.add_artifact("proj/m", "v1", [("m.gguf", b"GGUF1234", False)])
+    plain = hreg._handle
+
+    def handle(h) -> None:
+        if urlsplit(h.path).path == "/token":
+            return _chunked(h, 8 * MB, b'{"token": "t"}')
+        if h.headers.get("Authorization") != "Bearer t":
+            realm = f'Bearer realm="{hreg.url}/token",service="r",scope="repository:proj/m:pull"'
+            return hreg.send(h, 401, b"{}", {"Www-Authenticate": realm})
+        return plain(h)
+
+    hreg._handle = handle
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    with pytest.raises(PullError) as err:
+        await asyncio.wait_for(store.pull(harbor("m")), 60)
+    assert err.value.status_code == 502 and "/token" in err.value.detail
+
+
+class LyingHub(FakeHub):
+    """A Hub that lists a file named `../../evil.txt`, or announces a size it does not send."""
+
+    lie = ""
+
+    def _handle(self, h, head):
+        parts = urlsplit(h.path).path.strip("/").split("/")
+        if self.lie == "dotdot" and "tree" in parts:
+            items = [{"type": "file", "path": "../../evil.txt", "size": 3, "oid": "0" * 40}]
+            return self._json(h, 200, items, head)
+        if self.lie == "size" and len(parts) >= 5 and parts[2] == "resolve" and head:
+            h.send_response(200)
+            h.send_header("Content-Length", "1000")
+            h.send_header("ETag", '"abc"')
+            h.send_header("X-Repo-Commit", "a" * 40)
+            h.end_headers()
+            return None
+        return super()._handle(h, head)
+
+
+@pytest.mark.parametrize("lie", ["dotdot", "size"])
+async def test_what_a_hub_sends_that_cannot_be_stored_is_a_502(tmp_path, lie):
+    """The Hub client's own checks (a name out of the directory, a body shorter than its
+    announced size) were 500s, as if the host had failed."""
+    hub = LyingHub(_hub_repo(tmp_path, {"config.json": b"{}"}))
+    hub.lie = lie
+    hub.start()
+    try:
+        store = make_store(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(_hf()), 60)
+        assert (err.value.status_code, err.value.error) == (502, "model_pull_failed"), err.value
+        assert not (tmp_path / "evil.txt").exists()
+        assert not (tmp_path / "models" / "evil.txt").exists()
+    finally:
+        hub.stop()
+
+
+@pytest.mark.parametrize(
+    ("model_id", "why"),
+    [
+        ("acme/tiny/extra", "namespace/repo_name"),
+        ("acme/ti--ny", "Cannot have -- or .."),
+        ("acme/" + "x" * 97, "maximum length is 96"),
+        ("acme/tiny.", "cannot start or end"),
+    ],
+)
+async def test_a_model_id_the_hub_would_refuse_is_a_400_before_anything_is_made(
+    tmp_path, model_id, why
+):
+    store = make_store(tmp_path, hf_endpoint="http://127.0.0.1:9")
+    await store.start()
+    req = {"source": "huggingface", "source_uri": f"huggingface://{model_id}", "model_id": model_id}
+    with pytest.raises(PullError) as err:
+        await store.pull(req)
+    assert (
+        err.value.status_code == 400 and "model_id" in err.value.detail and why in err.value.detail
+    )
+    assert not (tmp_path / "models" / ".partial").exists()
+
+
+async def test_names_no_file_can_hold_are_a_400(tmp_path, hreg):
+    store = store_for(tmp_path, hreg.url)
+    await store.start()
+    long_name = "a" * 250  # a valid OCI name; its directory name is past 255 bytes
+    with pytest.raises(PullError) as err:
+        await store.pull(harbor(long_name))
+    assert err.value.status_code == 400 and "model directory" in err.value.detail
+    hreg.add_artifact("proj/m", "v1", [("m.gguf", b"GGUF", False)])
+    req = harbor("m")
+    req["source_uri"] += "/" + "s" * 300
+    with pytest.raises(PullError) as err:
+        await store.pull(req)
+    assert err.value.status_code == 400 and "subpath" in err.value.detail

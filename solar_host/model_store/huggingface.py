@@ -36,6 +36,9 @@ READ_TIMEOUT_S = 60.0
 # always links to another page would hold the pull (and a worker thread) for ever. A million
 # files is far beyond any model repository.
 MAX_LISTING_PAGES = 1000
+# The Hub's API answers (repository info, file listing pages) are read whole into memory:
+# one past this is refused. File downloads are not API answers, and are not capped.
+MAX_METADATA_BYTES = 64 << 20
 _pull_state = threading.local()  # the cancel event of the pull this thread runs
 _client_lock = threading.Lock()
 _client_installed = False
@@ -68,6 +71,46 @@ def _guard_request(request: Any) -> None:
     request.extensions["timeout"] = timeout
 
 
+def _bound_response(response: Any) -> None:
+    """httpx response hook: an API answer is refused past MAX_METADATA_BYTES, by its declared
+    length or, for one without, as its bytes arrive."""
+    if not response.request.url.path.startswith("/api/"):
+        return
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_METADATA_BYTES:
+        raise _too_big(response)
+    response.stream = _capped_stream(response.stream, response)
+
+
+def _capped_stream(inner: Any, response: Any) -> Any:
+    # The response checks its stream against its own httpx's SyncByteStream (huggingface_hub
+    # may bring a fork of httpx under another name): take that class from the stream itself.
+    base = next((k for k in type(inner).__mro__ if k.__name__ == "SyncByteStream"), type(inner))
+
+    class Capped(base):  # type: ignore[misc,valid-type]
+        def __iter__(self) -> Any:
+            size = 0
+            for chunk in inner:
+                size += len(chunk)
+                if size > MAX_METADATA_BYTES:
+                    raise _too_big(response)
+                yield chunk
+
+        def close(self) -> None:
+            inner.close()
+
+    return Capped()
+
+
+def _too_big(response: Any) -> PullError:
+    return PullError(
+        502,
+        "model_pull_failed",
+        f"The Hub sent an answer over {MAX_METADATA_BYTES >> 20} MiB for "
+        f"{response.request.url.path}; refusing to read it",
+    )
+
+
 def _install_client() -> None:
     global _client_installed
     with _client_lock:
@@ -89,6 +132,7 @@ def _install_client() -> None:
             client = _http.default_client_factory()
             hooks = client.event_hooks
             hooks["request"] = [*hooks.get("request", []), _guard_request]
+            hooks["response"] = [*hooks.get("response", []), _bound_response]
             client.event_hooks = hooks
             return client
 
@@ -194,6 +238,15 @@ def map_error(err: BaseException) -> PullError:
     if mod.startswith(("httpx", "httpcore", "requests", "urllib3")):
         return PullError(
             502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
+        )
+    # The client's own checks of what the Hub sent: a file name that leaves the directory (a
+    # ValueError; the request itself was validated before the pull), a body whose size is not
+    # the one announced (an OSError with no errno: no system call failed).
+    if isinstance(err, ValueError) or (isinstance(err, OSError) and err.errno is None):
+        return PullError(
+            502,
+            "model_pull_failed",
+            f"HuggingFace Hub sent what cannot be stored: {_first_line(err)}",
         )
     return PullError(500, "model_pull_failed", f"{type(err).__name__}: {_first_line(err)}")
 

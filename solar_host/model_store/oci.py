@@ -12,6 +12,7 @@ blocks and runs in worker threads.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -38,6 +39,9 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 # distribution refuses manifests over 4 MiB; a bigger (or endless) one is not read.
 MAX_MANIFEST_BYTES = 4 << 20
+# Any other answer read whole (the token endpoint's, oras' own calls) is small JSON: a bigger
+# or endless body is refused before it fills the host's memory.
+MAX_RESPONSE_BYTES = 4 << 20
 MANIFEST_TYPES = (
     "application/vnd.oci.image.manifest.v1+json",
     "application/vnd.docker.distribution.manifest.v2+json",
@@ -93,6 +97,29 @@ class Layer:
         return self.digest.split(":", 1)[1]
 
 
+def _read_capped(resp: Any, limit: int) -> Any:
+    """`resp` (a requests response opened with stream=True) with its body read, or a 502 when
+    the body runs past `limit` bytes."""
+    parts, size = [], 0
+    try:
+        for chunk in resp.iter_content(64 * 1024):
+            size += len(chunk)
+            if size > limit:
+                raise PullError(
+                    502,
+                    "model_pull_failed",
+                    f"{urlsplit(resp.url).netloc} sent an answer over {limit >> 20} MiB for "
+                    f"{urlsplit(resp.url).path}; refusing to read it",
+                )
+            parts.append(chunk)
+    except PullError:
+        resp.close()
+        raise
+    resp._content = b"".join(parts)  # what requests keeps for .content, .text and .json()
+    resp._content_consumed = True
+    return resp
+
+
 def parse_registry_url(url: str) -> tuple[str, str]:
     """HARBOR_URL (`https://reg:port`, `http://...` or bare `reg:port`) -> (scheme, host)."""
     url = url.strip().rstrip("/")
@@ -127,7 +154,10 @@ class Registry:
         def bounded(method: str, url: str, **kw: Any) -> Any:
             if kw.get("timeout") is None:
                 kw["timeout"] = self.timeout
-            return plain(method, url, **kw)
+            if kw.get("stream"):  # blobs and manifests: their readers bound what they read
+                return plain(method, url, **kw)
+            kw["stream"] = True
+            return _read_capped(plain(method, url, **kw), MAX_RESPONSE_BYTES)
 
         self.session.request = bounded  # type: ignore[method-assign]
 
@@ -248,16 +278,17 @@ class Registry:
             return final
         blobs.mkdir(parents=True, exist_ok=True)
         part = blobs / f"sha256-{layer.hex}.part"
-        have = part.stat().st_size if part.is_file() else 0
+        started = part.is_file()
+        have = part.stat().st_size if started else 0
         if have > layer.size:
             part.unlink()
-            have = 0
+            have, started = 0, False
         hasher = hashlib.sha256()
         if have:
             with open(part, "rb") as f:
                 while block := f.read(BUF_SIZE * 4):
                     hasher.update(block)
-        if have == layer.size:
+        if started and have == layer.size:
             # Whole but not renamed (interrupted between the last byte and the rename): a Range
             # request would be refused (416), so check it here and keep it or start over.
             if hasher.hexdigest() == layer.hex:
@@ -574,6 +605,9 @@ def parse_layers(manifest: Any) -> list[Layer]:
     if not layers:
         raise PullError(502, "model_pull_failed", "artifact has no files (no titled layers)")
     titles = {x.title for x in layers}
+    if len(titles) < len(layers):
+        twice = next(t for t in titles if sum(1 for x in layers if x.title == t) > 1)
+        raise PullError(502, "model_pull_failed", f"artifact names the file {twice!r} twice")
     for t in titles:
         parts = t.split("/")
         for i in range(1, len(parts)):
@@ -620,7 +654,29 @@ def assemble(
     """Place verified blobs under their titles in `tree` (unpacking directory layers).
 
     `room(n)` is called before `n` more bytes are unpacked and raises when they do not fit.
+    A file that cannot be placed (an archive that made a directory where a layer's file goes)
+    is the artifact's fault: a 502, as any other content the host will not store.
     """
+    try:
+        _assemble(layers, blobs, tree, room)
+    except tarfile.TarError as err:
+        raise PullError(502, "model_pull_failed", f"unreadable directory layer: {err}") from err
+    except OSError as err:
+        if err.errno not in _COLLISIONS:  # the machine's (a full disk, a read-only mount)
+            raise
+        raise PullError(
+            502, "model_pull_failed", f"the artifact's files cannot be placed: {err}"
+        ) from err
+
+
+# A name taken twice within the artifact: one entry where another needs a directory, or the
+# reverse.
+_COLLISIONS = frozenset({errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY})
+
+
+def _assemble(
+    layers: list[Layer], blobs: Path, tree: Path, room: Callable[[int], None] | None
+) -> None:
     tree.mkdir(parents=True, exist_ok=True)
     used: set[str] = set()
     for layer in layers:

@@ -99,6 +99,12 @@ class PullRequest(BaseModel):
         return self.backend_type == "llamacpp" and not self.subpath
 
 
+# A file name holds 255 bytes; a model directory's name also gets ".kept-<time>" (22 bytes)
+# when files the store did not record are moved aside for it.
+MAX_NAME_BYTES = 255
+MAX_SLUG_BYTES = MAX_NAME_BYTES - 32
+
+
 def check_request(req: PullRequest, harbor_host: str | None) -> str:
     """Validate the request's URIs against each other; return the slug.
 
@@ -140,10 +146,33 @@ def check_request(req: PullRequest, harbor_host: str | None) -> str:
                 f"model_id '{req.model_id}' does not match source_uri '{uri}' "
                 f"(expected '{HF_PREFIX}{model_id}')"
             )
+        _check_repo_id(model_id)
     try:
-        return slug_for(req.base_uri)
+        slug = slug_for(req.base_uri)
     except SourceError as err:
         raise invalid(str(err)) from None
+    if len(os.fsencode(slug)) > MAX_SLUG_BYTES:
+        raise invalid(
+            f"source_uri '{uri}' names a model directory of {len(os.fsencode(slug))} bytes; "
+            f"at most {MAX_SLUG_BYTES} fit a file name beside the host's own suffixes"
+        )
+    for part in repo_subpath(uri).split("/"):
+        if len(os.fsencode(part)) > MAX_NAME_BYTES:
+            raise invalid(f"subpath of source_uri has a part over {MAX_NAME_BYTES} bytes")
+    return slug
+
+
+def _check_repo_id(model_id: str) -> None:
+    """Refuse, naming model_id, what the Hub client would refuse in the middle of the pull
+    (a 500 then, with an empty .partial directory left behind)."""
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:  # without the client the pull fails anyway, and says why
+        return
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError as err:
+        raise invalid(f"model_id '{model_id}' is not a Hub repository id: {err}") from None
 
 
 _REF_RE = re.compile(

@@ -204,20 +204,16 @@ class ModelStore:
             harbor_host = oci.parse_registry_url(s.harbor_url)[1]
         slug = check_request(req, harbor_host)
         base = req.base_uri
-        # repo://a--b:c and repo://a:b--c share a slug: one must never replace the other's files.
-        others = [e.source_uri for e in self.manifest.entries() if e.slug == slug]
-        others += [b for b in self._jobs if b != base and slug_for_safe(b) == slug]
-        others = [o for o in others if o != base]
-        if others:
-            raise PullError(
-                409,
-                "conflict",
-                f"{base} and {others[0]} would share the model directory {slug}; "
-                f"delete {slug} first",
-            )
+        self._refuse_shared_slug(base, slug)
+        # A reference pinned to a manifest digest asks for exactly that artifact: a copy pulled
+        # at another digest (the tag moved since) is not it. The body's `digest` is control's
+        # label, whose kind the contract does not say: recorded alone, never compared.
+        pinned = None
+        if req.source == "harbor":
+            pinned = split_ref(req.harbor_ref or "", harbor_host)[3]
         key = (base, tuple(req.filters) if req.filters is not None else None)
         for _ in range(8):
-            entry = await asyncio.to_thread(self._usable_entry, base, req)
+            entry = await asyncio.to_thread(self._usable_entry, base, req, pinned)
             if entry is not None:
                 return self._result(req, entry, cached=True)
             job = self._jobs.get(base)
@@ -228,6 +224,9 @@ class ModelStore:
                     await asyncio.shield(job.task)  # type: ignore[arg-type]
                 continue
             if job is None:
+                # Checked again with no await before the job is registered: another source of
+                # this slug may have started while _usable_entry ran in its thread.
+                self._refuse_shared_slug(base, slug)
                 job = _Job(key=key)
                 self._jobs[base] = job
                 job.task = asyncio.create_task(self._download(job, req, slug))
@@ -243,6 +242,20 @@ class ModelStore:
                 raise
             return self._result(req, entry, cached=False)
         raise PullError(503, "busy", "The artifact is being changed by other pulls; try again")
+
+    def _refuse_shared_slug(self, base: str, slug: str) -> None:
+        """repo://a--b:c and repo://a:b--c share a slug: one must never replace the other's
+        files, whether the other is recorded or still being pulled."""
+        others = [e.source_uri for e in self.manifest.entries() if e.slug == slug]
+        others += [b for b in self._jobs if slug_for_safe(b) == slug]
+        others = [o for o in others if o != base]
+        if others:
+            raise PullError(
+                409,
+                "conflict",
+                f"{base} and {others[0]} would share the model directory {slug}; "
+                f"delete {slug} first",
+            )
 
     def _forget(self, base: str, job: _Job) -> None:
         if self._jobs.get(base) is job:
@@ -283,9 +296,16 @@ class ModelStore:
             path = root
         return {"path": str(path), "cached": cached, "source_uri": req.source_uri}
 
-    def _usable_entry(self, base: str, req: PullRequest) -> ManifestEntry | None:
+    def _usable_entry(
+        self, base: str, req: PullRequest, pinned: str | None = None
+    ) -> ManifestEntry | None:
+        """The recorded copy of `base`, if it is whole and is what `req` asks for (its files,
+        and for a registry artifact the manifest digest it is pinned to)."""
         entry = self.manifest.get(base)
         if entry is None:
+            return None
+        if pinned and req.source == "harbor" and entry.digest != pinned:
+            log.info("%s was pulled at %s; %s is asked for: pulling it", base, entry.digest, pinned)
             return None
         root = Path(entry.path)
         if not root.is_dir():
@@ -334,6 +354,14 @@ class ModelStore:
             layers, manifest_digest = await asyncio.to_thread(
                 registry.manifest, repo, digest or tag or "latest"
             )
+            if req.digest and manifest_digest and req.digest != manifest_digest:
+                log.warning(
+                    "pull of %s: the request's digest %s is not the manifest's (%s); the "
+                    "manifest's is recorded",
+                    req.source_uri,
+                    req.digest,
+                    manifest_digest,
+                )
             job.bytes_total = sum(x.size for x in layers)
         elif req.size_bytes:
             job.bytes_total = req.size_bytes
@@ -356,6 +384,10 @@ class ModelStore:
             )
 
         if topup:
+            assert old is not None
+            # A recorded file whose size changed is damaged: huggingface_hub would keep it (its
+            # metadata says the file is complete), so it goes, and is fetched again.
+            await asyncio.to_thread(_forget_damaged, target, old)
             # Move the snapshot aside so its files are reused, and put it back on failure.
             await asyncio.to_thread(self.manifest.remove, req.base_uri)
             partial.parent.mkdir(parents=True, exist_ok=True)
@@ -408,8 +440,13 @@ class ModelStore:
             ok = True
             return entry
         except PullError as err:
-            if err.status_code in (401, 404, 507) and not topup:
-                await asyncio.to_thread(shutil.rmtree, partial, True)
+            if err.status_code in (401, 404, 507):
+                # Nothing worth resuming: free the disk. A top-up's directory is the model
+                # already pulled: only what this pull added goes.
+                if topup and old is not None:
+                    await asyncio.to_thread(_keep_only, partial, old)
+                else:
+                    await asyncio.to_thread(shutil.rmtree, partial, True)
             raise
         finally:
             if not ok and topup and old is not None and partial.is_dir() and not target.exists():
@@ -457,8 +494,7 @@ class ModelStore:
                     with contextlib.suppress(BaseException):
                         await asyncio.wait_for(asyncio.shield(fut), 30)
                     break
-            if low_disk:
-                await asyncio.to_thread(shutil.rmtree, partial, True)
+            if low_disk:  # the caller clears what this pull fetched (see _download)
                 raise PullError(
                     507, "insufficient_storage", "Insufficient disk space during download."
                 )
@@ -544,7 +580,9 @@ class ModelStore:
             source_uri=req.base_uri,
             path=str(target),
             size_bytes=sum(s for _, s in files),
-            digest=req.digest or manifest_digest,
+            # A registry artifact's digest is the one computed from its manifest; a caller's
+            # digest only labels what has none (a HuggingFace snapshot).
+            digest=manifest_digest or req.digest,
             downloaded_at=now_iso(),
             category=req.category,
             name=req.name,
@@ -728,3 +766,36 @@ def slug_for_safe(uri: str) -> str | None:
         return slug_for(uri)
     except SourceError:
         return None
+
+
+def _keep_only(root: Path, entry: ManifestEntry) -> None:
+    """Remove from `root` the files `entry` does not record, and huggingface_hub's unfinished
+    downloads (its .cache keeps the metadata of the recorded files, which a later pull reuses)."""
+    recorded = entry.file_sizes or {}
+    for rel, _size in inventory(root):
+        if rel not in recorded:
+            with contextlib.suppress(OSError):
+                (root / rel).unlink()
+    for part in (root / ".cache").rglob("*.incomplete"):
+        with contextlib.suppress(OSError):
+            part.unlink()
+
+
+def _forget_damaged(root: Path, entry: ManifestEntry) -> None:
+    """Remove the recorded files of `root` whose size is not the recorded one, with the
+    metadata huggingface_hub keeps of them, so that the next download fetches them again."""
+    meta = root / ".cache" / "huggingface" / "download"
+    for rel, size in (entry.file_sizes or {}).items():
+        try:
+            path = confine(rel, root, what="recorded file")
+        except SourceError:
+            continue  # not a name this store writes (a hand-edited manifest): left alone
+        try:
+            if path.stat().st_size == size:
+                continue
+        except OSError:
+            pass  # missing: its metadata must go all the same
+        log.warning("%s is damaged (not the size it was pulled at); fetching it again", path)
+        for stale in (path, meta / f"{rel}.metadata", meta / f"{rel}.lock"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
