@@ -239,6 +239,129 @@ def test_ws_bad_since_seq_is_refused_with_a_reason_naming_it(host: HostProc) -> 
     assert rcvd.code == 1008 and "since_seq" in rcvd.reason, rcvd
 
 
+# --- 6. a second review: JSON no file can keep, NaN in an echo, racing deletes -----------------
+
+
+def deep(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_json_nested_too_deep_to_store_is_a_4xx_and_keeps_the_host_writable(
+    own_host: HostProc,
+) -> None:
+    """A config value nested 300 deep parsed (the parser takes about 990) but could not be
+    encoded (pydantic stops at about 255): a 500 with the record kept in memory, and from then
+    on every list, create and delete answered 500 and config.json was never written again.
+    Now anything past 64 levels is refused, naming the field, wherever a request's JSON is
+    kept (an instance's config, a pull's metadata, a job's training_config)."""
+    host = own_host
+    with fresh(host) as c:
+        r = c.post("/instances", json={"config": {**config(alias="deep"), "x": deep(300)}})
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        assert "x" in json.dumps(r.json()["detail"]) and "deeper than 64" in r.text
+        assert c.get("/instances").json() == []
+        ok = c.post("/instances", json={"config": config(alias="shallow", x=deep(10))})
+        assert ok.status_code == 200, ok.text[:300]
+        iid = ok.json()["instance"]["id"]
+        r = c.put(f"/instances/{iid}", json={"config": {**config(alias="deep"), "x": deep(300)}})
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        assert c.get(f"/instances/{iid}").json()["config"]["alias"] == "shallow"
+        pull = {
+            "source": "huggingface",
+            "source_uri": "huggingface://acme/tiny",
+            "model_id": "acme/tiny",
+            "metadata": {"m": deep(300)},
+        }
+        r = c.post("/models/pull", json=pull)
+        assert r.status_code == 422 and "metadata.m" in r.text, (r.status_code, r.text[:300])
+        assert c.delete(f"/instances/{iid}").status_code == 200
+        assert c.get("/instances").json() == []
+    stored = json.loads((host.tmp / "config.json").read_text())
+    assert stored["instances"] == []
+
+
+NON_FINITE = [
+    ("POST", "/resources/reservations", '{"job_id":"j","vram_gb":0,"ram_gb":NaN}', "ram_gb"),
+    ("POST", "/resources/reservations", '{"job_id":"j","vram_gb":1e400,"ram_gb":0}', "vram_gb"),
+    (
+        "POST",
+        "/resources/reservations",
+        '{"job_id":"j","vram_gb":0,"ram_gb":0,"ttl_seconds":-Infinity}',
+        "ttl_seconds",
+    ),
+    ("POST", "/instances", '{"config":NaN}', "config"),
+    ("POST", "/instances/estimate", '{"config":Infinity}', "config"),
+    ("PUT", "/instances/x", '{"intent_id":NaN}', "intent_id"),
+    (
+        "POST",
+        "/resources/reservations",
+        '{"job_id":"j","vram_gb":0,"ram_gb":0,"expires_at":"9999-12-31T23:59:59-05:00"}',
+        "expires_at",
+    ),
+    (
+        "POST",
+        "/resources/reservations",
+        '{"job_id":"j","vram_gb":0,"ram_gb":0,"expires_at":"0001-01-01T00:00:00+05:00"}',
+        "expires_at",
+    ),
+    (
+        "POST",
+        "/resources/reservations",
+        '{"job_id":"j","vram_gb":0,"ram_gb":0,"expires_at":"9999-12-31T23:59:59Z"}',
+        "expires_at",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), NON_FINITE)
+def test_nan_infinity_and_dates_out_of_range_are_a_422_naming_the_field(
+    host: HostProc, method: str, path: str, body: str, field: str
+) -> None:
+    """The 422 echoes the bad input, and strict JSON has no NaN or Infinity: the answer was a
+    500. A date the UTC conversion overflows was a 500 too, and year 9999 in UTC was accepted,
+    past the ten years a reservation may last."""
+    with fresh(host) as c:
+        r = c.request(method, path, content=body.encode())
+        assert r.status_code == 422, (r.status_code, r.text[:300])
+        assert field in r.text
+        assert c.get("/resources").json()["reservations"] == []
+
+
+def test_an_update_or_delete_queued_behind_a_delete_is_a_404(host: HostProc) -> None:
+    """A stop holds the instance while its backend ignores SIGTERM; a DELETE and a PUT queue
+    behind it. Both answered 200, the PUT "updating" an instance the DELETE had removed (and
+    announcing it to control); two DELETEs both answered 200."""
+
+    async def go(second: str) -> tuple[int, int, int]:
+        async with httpx.AsyncClient(
+            base_url=host.url, headers={"X-API-Key": host.api_key}, timeout=60
+        ) as c:
+            cfg = config(alias="race", fake_args=["--ignore-sigterm"])
+            iid = (await c.post("/instances", json={"config": cfg})).json()["instance"]["id"]
+            assert (await c.post(f"/instances/{iid}/start")).status_code == 200
+
+            async def later(method: str, **kw: Any) -> httpx.Response:
+                await asyncio.sleep(0.2)  # the stop holds the instance by then
+                return await c.request(method, f"/instances/{iid}", **kw)
+
+            again = (
+                later("PUT", json={"config": {**cfg, "alias": "after"}})
+                if second == "PUT"
+                else later("DELETE")
+            )
+            _stop, deleted, other = await asyncio.gather(
+                c.post(f"/instances/{iid}/stop"), later("DELETE"), again
+            )
+            after = await c.get(f"/instances/{iid}")
+            return deleted.status_code, other.status_code, after.status_code
+
+    for second in ("PUT", "DELETE"):
+        assert asyncio.run(go(second)) == (200, 404, 404), second
+
+
 def test_host_is_still_healthy(host: HostProc) -> None:
     with fresh(host) as c:
         assert c.get("/health").status_code == 200

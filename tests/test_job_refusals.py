@@ -155,3 +155,45 @@ async def test_a_lone_surrogate_in_a_job_is_a_400_naming_the_field(
         assert r.status_code in (200, 201, 202), r.text
         body = await wait_for(client, "s-2", finished, within=60)
         assert body["status"] == "completed", body
+
+
+@pytest.mark.parametrize(
+    ("extra", "step_extra", "field"),
+    [
+        pytest.param(
+            {"training_config": {"x": "@deep@"}}, {}, "training_config.x", id="nested-300-deep"
+        ),
+        pytest.param({"min_free_disk_gb": "@inf@"}, {}, "min_free_disk_gb", id="infinite-disk"),
+        pytest.param({}, {"image": "busy\u0000box"}, "image", id="nul-in-image"),
+        pytest.param({}, {"environment": {"A": "x\u0000y"}}, "environment", id="nul-in-env"),
+        pytest.param({}, {"command": ["sh", "-c", "echo\u0000"]}, "command", id="nul-in-command"),
+    ],
+)
+async def test_a_job_nothing_can_store_or_run_is_refused_and_leaves_nothing(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+    extra: dict[str, Any],
+    step_extra: dict[str, Any],
+    field: str,
+) -> None:
+    """A training_config nested 300 deep was accepted and could not be encoded: a 500, a job
+    shown running for ever with its workspace left, and every later submit failing the same
+    way. Infinity for min_free_disk_gb made the 507's own body unencodable (a 500). NUL in a
+    step's image, environment or command was accepted and failed only at the container."""
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        step = {**sh("a", dockerd.image, "echo hi"), **step_extra}
+        raw = json.dumps(job_body("bad-1", step, **extra))
+        nested: Any = 1
+        for _ in range(300):
+            nested = [nested]
+        raw = raw.replace('"@deep@"', json.dumps(nested)).replace('"@inf@"', "Infinity")
+        r = await client.post("/jobs", content=raw, headers={"content-type": "application/json"})
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+        assert field in r.text, r.text[:300]
+        assert (await client.get("/jobs/bad-1")).status_code == 404
+        assert not (tmp_path / "jobs" / "bad-1").exists()
+        r = await client.post("/jobs", json=job_body("ok-1", sh("a", dockerd.image, "echo ok")))
+        assert r.status_code == 202, r.text
+        body = await wait_for(client, "ok-1", finished, within=60)
+        assert body["status"] == "completed", body

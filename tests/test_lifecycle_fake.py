@@ -261,6 +261,46 @@ async def test_client_behind_the_ring_gets_a_gap_marker(tmp_path: Path) -> None:
         await h.client.post(f"/instances/{iid}/stop")
 
 
+async def test_closed_log_streams_of_a_quiet_instance_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """Each pass of a log stream waited on the ring's wake-up in a task of its own, and a
+    socket that closed first left that task pending until the instance's next line: on a quiet
+    instance a client reconnecting in a loop grew the host's memory without bound. A
+    since_seq past the newest line made the stream skip every line until the count caught up."""
+    import json
+
+    import websockets
+
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path))
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/logs"
+        headers = {"X-API-Key": s_key(h)}
+
+        def waits() -> int:
+            return sum("Event.wait" in repr(t.get_coro()) for t in asyncio.all_tasks())
+
+        async def connect_and_close() -> None:
+            async with websockets.connect(url, additional_headers=headers):
+                pass
+
+        before = waits()
+        for _ in range(10):
+            await asyncio.gather(*(connect_and_close() for _ in range(20)))
+        for _ in range(100):  # the host notices the closes
+            await asyncio.sleep(0.05)
+            if waits() <= before:
+                break
+        assert waits() <= before, f"{waits() - before} waits left by closed streams"
+
+        far = url + "?since_seq=1000000000000"
+        async with websockets.connect(far, additional_headers=headers) as ws:
+            await h.client.post(f"/instances/{iid}/start")
+            line = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert line["seq"] == 0, line
+        await h.client.post(f"/instances/{iid}/stop")
+
+
 async def test_crash_loop_ends_in_failed_not_a_storm(tmp_path: Path) -> None:
     s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=3)
     async with running_host(s, backends=registry()) as h:

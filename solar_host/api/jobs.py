@@ -30,7 +30,7 @@ from solar_host.jobs.service import (
     JobService,
 )
 from solar_host.jobs.workspace import InsufficientDiskError, WorkspaceError
-from solar_host.textsafe import refusal, unencodable
+from solar_host.textsafe import refusal, unstorable
 
 router = APIRouter(tags=["jobs"])
 
@@ -110,7 +110,7 @@ async def submit_job(request: Request) -> Any:
         raise HTTPException(400, "body: not valid JSON") from None
     if not isinstance(data, dict):
         raise HTTPException(400, "body: a JSON object (JobDefinition) is required")
-    bad = unencodable(data)
+    bad = unstorable(data)
     if bad is not None:  # no Unicode text: the container would get something else (U+FFFD)
         raise HTTPException(400, refusal(bad, "body"))
     try:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from solar_host.model_store.pull import PullError, PullRequest
 from solar_host.model_store.service import StoreError
-from solar_host.textsafe import refusal, scrub, unencodable
+from solar_host.textsafe import refusal, scrub, unstorable
 
 router = APIRouter(tags=["models"])
 
@@ -79,7 +79,7 @@ async def pull_model(request: Request) -> Any:
     if not isinstance(raw, dict):
         err = PullError(422, "invalid_request", "request body must be a JSON object")
         return JSONResponse(err.body(uri), status_code=422)
-    bad = unencodable(raw)
+    bad = unstorable(raw)
     if bad is not None:
         # A lone surrogate (JSON "\\ud800") cannot be echoed, logged or written to a manifest.
         err = PullError(422, "invalid_request", refusal(bad))

@@ -48,7 +48,11 @@ async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = N
     if sup is None:
         return
     next_seq = since_seq if since_seq is not None and since_seq >= 0 else sup.ring.first_seq
+    # A since_seq past the newest line would skip every line until the count caught up: the
+    # stream starts after the newest line instead.
+    next_seq = min(next_seq, sup.ring.next_seq)
     closed = asyncio.create_task(_wait_closed(ws))
+    woken: asyncio.Future[Any] | None = None
     try:
         while not closed.done():
             ring = sup.ring  # re-read: a re-adoption replaces the ring
@@ -77,13 +81,17 @@ async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = N
                 next_seq = ring.first_seq
             if manager.supervisors.get(instance_id) is not sup:
                 break  # deleted
-            await asyncio.wait(
-                [asyncio.ensure_future(changed.wait()), closed], return_when=asyncio.FIRST_COMPLETED
-            )
+            # Its own waiter each pass, cancelled when the socket closes first: left pending,
+            # one per closed socket piled up on a quiet instance until its next line.
+            woken = asyncio.ensure_future(changed.wait())
+            await asyncio.wait([woken, closed], return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
     except (WebSocketDisconnect, TimeoutError, RuntimeError):
         pass
     finally:
         closed.cancel()
+        if woken is not None:
+            woken.cancel()
         with contextlib.suppress(Exception):
             await ws.close()
 

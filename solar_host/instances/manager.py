@@ -346,6 +346,11 @@ class InstanceManager:
             raise NotPersisted(
                 f"Cannot write {self.store.path}: {err.strerror or err}; nothing was changed"
             ) from None
+        except (ValueError, RecursionError) as err:  # a record JSON cannot hold (a bug upstream)
+            log.error("cannot encode %s: %s", self.store.path, err)
+            raise NotPersisted(
+                f"Cannot encode {self.store.path}: {err}; nothing was changed"
+            ) from None
 
     def persist_soon(self) -> None:
         """Persist without waiting (saves coalesce; the newest snapshot wins)."""
@@ -558,6 +563,8 @@ class InstanceManager:
     ) -> Instance:
         sup = self._sup(instance_id)
         async with sup.lock:
+            if sup.deleted:  # a delete held the lock while this call waited for it
+                raise InstanceNotFound(instance_id)
             inst = sup.instance
             starting = sup.start_task is not None and not sup.start_task.done()
             if starting or inst.status not in (S.STOPPED, S.FAILED):
@@ -595,6 +602,8 @@ class InstanceManager:
     async def delete(self, instance_id: str) -> Instance:
         sup = self._sup(instance_id)
         async with sup.lock:
+            if sup.deleted:  # another delete held the lock while this one waited for it
+                raise InstanceNotFound(instance_id)
             starting = sup.start_task is not None and not sup.start_task.done()
             if starting or sup.instance.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot delete a running instance. Stop it first.")

@@ -28,7 +28,7 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
-from solar_host.textsafe import NOT_UNICODE, unencodable
+from solar_host.textsafe import NOT_UNICODE, unstorable
 from solar_host.tracked import Tracked
 
 InstanceConfig = Annotated[
@@ -207,11 +207,12 @@ def parse_config(
     check_roots = strict
     if not isinstance(raw, dict):
         raise _error((), "config must be a JSON object", "dict_type")
-    bad = unencodable(raw)
+    bad = unstorable(raw)
     if bad is not None:
-        # A lone surrogate (JSON "\\ud800") would be kept in memory and then fail every
-        # write of config.json and every answer that echoes the config.
-        raise _error(bad, NOT_UNICODE, "string_unicode")
+        # A lone surrogate (JSON "\\ud800") or nesting past MAX_DEPTH would be kept in memory
+        # and then fail every write of config.json and every answer that echoes the config.
+        loc, why = bad
+        raise _error(loc, why, "string_unicode" if why == NOT_UNICODE else "too_deep")
     raw = migrate_config(raw)
     bt = raw.get("backend_type")
     if bt not in BACKEND_TYPES:

@@ -630,6 +630,8 @@ class Supervisor:
         """Stop the backend (idempotent). `forget_intent=False` is a host shutdown: the
         instance is remembered as wanted, so the next boot starts it again."""
         async with self.lock:
+            if self.deleted:  # a delete held the lock while this stop waited for it
+                raise InstanceNotFound(self.id)
             if forget_intent and self.stored.want_running:
                 # A stop the next boot would undo (it starts what config.json says is wanted)
                 # is refused with 507, and the backend keeps serving.

@@ -163,6 +163,7 @@ class StepDefinition(BaseModel):
         default=None,
         gt=0,
         le=MAX_STEP_TIMEOUT_S,
+        allow_inf_nan=False,
         description="Seconds the step may run, from its container's start; past it the "
         "container is stopped and the step fails. JOB_STEP_TIMEOUT_S, where set, is the most a "
         "step may ask for and the limit of those that give none.",
@@ -212,8 +213,10 @@ class StepDefinition(BaseModel):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str) -> str:
-        if not v.strip() or any(c.isspace() for c in v):
-            raise ValueError("image must be a non-empty image reference without spaces")
+        if not v.strip() or any(c.isspace() or not c.isprintable() for c in v):
+            raise ValueError(
+                "image must be a non-empty image reference without spaces or control characters"
+            )
         return v
 
     @field_validator("command")
@@ -221,6 +224,9 @@ class StepDefinition(BaseModel):
     def _command(cls, v: list[str] | str | None) -> list[str] | str | None:
         if v is not None and not v:
             raise ValueError("command must not be empty (omit it to use the image's default)")
+        # An argument is a C string: one holding NUL could only fail at the container's start.
+        if v is not None and any("\x00" in a for a in ([v] if isinstance(v, str) else v)):
+            raise ValueError("command must not contain NUL characters")
         return v
 
     @field_validator("environment", mode="before")
@@ -236,6 +242,8 @@ class StepDefinition(BaseModel):
                 val = "true" if val else "false"
             elif isinstance(val, int | float):
                 val = str(val)
+            if isinstance(val, str) and "\x00" in val:
+                raise ValueError(f"environment {key} must not contain NUL characters")
             out[key] = val
         return out
 
@@ -266,8 +274,11 @@ class JobDefinition(BaseModel):
     job_id: str
     name: str | None = None
     steps: list[StepDefinition] = Field(min_length=1)
-    retention_hours: float = Field(default=24.0, ge=0, le=MAX_RETENTION_HOURS)
-    min_free_disk_gb: float | None = Field(default=None, ge=0)
+    retention_hours: float = Field(default=24.0, ge=0, le=MAX_RETENTION_HOURS, allow_inf_nan=False)
+    # A pebibyte: more is a mistake (and infinity made the 507's own body unencodable).
+    min_free_disk_gb: float | None = Field(
+        default=None, ge=0, le=1024.0 * 1024.0, allow_inf_nan=False
+    )
     base_model_uri: str | None = None
     training_data_uri: str | None = None
     training_config: dict[str, Any] | None = None

@@ -357,9 +357,10 @@ class JobService:
             )
             try:
                 await self.store.add(state)
-            except OSError as err:  # nothing started: the workspace goes, the caller hears
+            except (OSError, ValueError, RecursionError) as err:
+                # Nothing started: the workspace goes, the caller hears.
                 await asyncio.to_thread(delete_workspace, str(path))
-                reason = err.strerror or str(err)
+                reason = getattr(err, "strerror", None) or str(err)
                 raise JobNotPersisted(f"Cannot write the job store: {reason}") from None
         finally:
             self._submitting.discard(job_id)

@@ -70,8 +70,9 @@ class JobStore:
     # --- writes ------------------------------------------------------------------------------
 
     async def add(self, job: JobState) -> None:
-        """Record a new job once it is on disk; raises OSError (and records nothing) when the
-        store cannot be written: a job the caller was told about must survive a restart."""
+        """Record a new job once it is on disk; raises OSError, or ValueError for a job that
+        cannot be encoded, and records nothing, when the store cannot be written: a job the
+        caller was told about must survive a restart."""
         if job.job_id in self._jobs:
             raise KeyError(f"Job '{job.job_id}' already exists")
         self._jobs[job.job_id] = job
@@ -79,7 +80,7 @@ class JobStore:
             return
         try:
             await self._commits.commit()
-        except OSError:
+        except (OSError, ValueError, RecursionError):  # unwritable, or a job JSON cannot hold
             if self._jobs.get(job.job_id) is job:
                 del self._jobs[job.job_id]
                 self._save()  # a later write may already hold it: the next one must not

@@ -75,9 +75,18 @@ class ReservationRequest(BaseModel):
     def _future(cls, v: datetime | None) -> datetime | None:
         if v is None:
             return None
-        v = as_utc(v)
-        if v <= datetime.now(UTC):
+        try:
+            v = as_utc(v)
+        except OverflowError:  # year 9999 at -05:00 is past the last datetime in UTC
+            raise ValueError("is outside the range of dates") from None
+        now = datetime.now(UTC)
+        if v <= now:
             raise ValueError("is in the past")
+        if (v - now).total_seconds() > MAX_TTL_SECONDS:
+            raise ValueError(
+                f"is more than {MAX_TTL_SECONDS / (365 * 86400):g} years ahead, "
+                "the longest a reservation may last"
+            )
         return v
 
     @model_validator(mode="after")
