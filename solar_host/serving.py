@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -259,7 +260,20 @@ def serve(settings: Settings, **overrides: Any) -> int:
         app.ready_on_lifespan = False
         app.request_exit = lambda: setattr(server, "should_exit", True)
         try:
-            server.run()
+            # Listening before the lifespan runs: uvicorn binds after it, and a port it then
+            # cannot bind ran the lifespan's shutdown, which stopped every backend the start
+            # had just re-adopted. Now such a start ends before anything is adopted.
+            sock = listen(settings.host, settings.port, config.backlog)
+        except OSError as err:
+            print(
+                f"solar-host: cannot listen on {settings.host}:{settings.port}: "
+                f"{err.strerror or err}; no backend was adopted or stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        try:
+            server.run(sockets=[sock])
         except SystemExit as exit_:
             # uvicorn exits 3 when the lifespan fails; our 3 means "host unreachable".
             if exit_.code != 3:
@@ -335,14 +349,32 @@ class _OneLineRefusal(logging.Filter):
         )
 
 
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """The API's listening socket, bound as uvicorn binds one (IPv6 for an address with ':')
+    and listening, so a port another process holds fails here, whoever bound it first."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock  # not inheritable (Python's default): backends never hold the API's port
+
+
 def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
-    """A uvicorn.Server that calls `on_started` (READY=1) once its port is bound."""
+    """A uvicorn.Server that calls `on_started` (READY=1) once it serves."""
     import uvicorn
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and not self.should_exit:
+                for sock in sockets or ():  # uvicorn names only the sockets it binds itself
+                    addr = sock.getsockname()
+                    log.info("serving the REST API on http://%s:%d", *addr[:2])
                 on_started()
 
     return Server(config)

@@ -198,3 +198,36 @@ def test_unreachable_control_does_not_affect_host_operations(tmp_path: Path) -> 
             assert r.status_code in (200, 503), r.text
         assert h.proc is not None and h.proc.poll() is None
         assert "Traceback" not in h.log()
+
+
+def test_a_restart_that_cannot_listen_leaves_the_backends_serving(tmp_path: Path) -> None:
+    """The host's port held by another process when the host restarts: uvicorn bound it after
+    the lifespan had re-adopted the backends, and its failure ran the lifespan's shutdown,
+    which stopped every one (config.json then said stopped while they were wanted running).
+    Now the host listens before it adopts anything, and exits 1 saying why."""
+    import socket
+
+    with HostProc(tmp_path) as h:
+        h.start()
+        with h.client() as c:
+            iid = c.post("/instances", json={"config": cfg(h, "a")}).json()["instance"]["id"]
+            pid = c.post(f"/instances/{iid}/start").json()["instance"]["pid"]
+        h.kill()
+        blocker = socket.socket()
+        try:
+            blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            blocker.bind(("127.0.0.1", h.port))
+            blocker.listen(1)
+            h.start(wait=False)
+            assert h.proc is not None
+            assert h.proc.wait(timeout=60) == 1
+        finally:
+            blocker.close()
+        assert "cannot listen on" in h.log() and "no backend was adopted or stopped" in h.log()
+        assert psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        [entry] = json.loads((h.tmp / "config.json").read_text())["instances"]
+        assert entry["instance"]["status"] == "running" and entry["process"]["pid"] == pid
+        h.start()  # the port is free again: the same backend is adopted
+        with h.client() as c:
+            inst = c.get(f"/instances/{iid}").json()
+        assert inst["status"] == "running" and inst["pid"] == pid, inst
