@@ -40,6 +40,9 @@ from solar_host.sdnotify import cancel as cancel_task
 from solar_host.settings import Settings
 
 log = logging.getLogger("solar_host")
+# How long a stop or a hand-over waits for requests in flight before it closes their
+# connections (see _notifying_server).
+SHUTDOWN_GRACE_S = 2.0
 
 # A request that arrives before the router is built waits this long for it (it is built in
 # well under a second; the bound only matters on a machine that is thrashing).
@@ -369,6 +372,37 @@ def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def _wait_tasks_to_complete(self) -> None:
+            """uvicorn waits for every request in flight before the lifespan's shutdown, with
+            no bound: a start waiting for a model to load (up to START_DEADLINE_S) or a pull
+            held a hand-over or a stop for as long, the API closed meanwhile. After
+            SHUTDOWN_GRACE_S, what is still in flight has its connection closed unanswered:
+            control takes a dropped start as "outcome unknown" and looks again, where an
+            answer (uvicorn's 500 for a cancelled request) would be a failed start, and it
+            deletes an instance whose start failed. The work itself goes on as the stop
+            decides (a start is shielded: handed over, the next host adopts its backend)."""
+            try:
+                async with asyncio.timeout(SHUTDOWN_GRACE_S):
+                    await super()._wait_tasks_to_complete()
+                    return
+            except TimeoutError:
+                pass
+            state = self.server_state
+            log.warning(
+                "closing %d connection(s) with requests still in flight after %g s",
+                len(state.connections),
+                SHUTDOWN_GRACE_S,
+            )
+            for conn in list(state.connections):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.close()
+            for task in list(state.tasks):
+                task.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SHUTDOWN_GRACE_S):
+                    await super()._wait_tasks_to_complete()
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and not self.should_exit:

@@ -11,10 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from solar_host.handover import HandOverError, hand_over, running_host_pid
@@ -207,6 +209,89 @@ def test_hand_over_signal_leaves_backends_serving_for_the_next_host(tmp_path: Pa
         assert probe.failures == [] and probe.ok > 5, (probe.failures, probe.ok)
         assert [p.pid for p in h.backends()] == [pid]  # no second backend
         assert "hand-over restart requested" in h.log()
+
+
+def _start_in_background(h: HostProc, iid: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """POST start in a thread of its own (it waits for readiness); what it got lands in the
+    dict: the status code, or the exception's class name."""
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with h.client(timeout=120) as c:
+                got["answer"] = c.post(f"/instances/{iid}/start").status_code
+        except httpx.HTTPError as err:
+            got["answer"] = type(err).__name__
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, got
+
+
+def _pid_of(h: HostProc, iid: str, timeout: float = 20.0) -> int:
+    with h.client() as c:
+        deadline = time.monotonic() + timeout
+        while not (pid := c.get(f"/instances/{iid}").json()["pid"]):
+            assert time.monotonic() < deadline, "the backend was never spawned"
+            time.sleep(0.05)
+    return int(pid)
+
+
+def test_a_hand_over_does_not_wait_for_a_start_in_flight(tmp_path: Path) -> None:
+    """uvicorn waited for every request in flight before exiting, without a bound: a start
+    waiting for a model to load held the hand-over (and the API, closed meanwhile) as long as
+    the load, so `solar-host handover` timed out. Now the start's connection is closed
+    unanswered after a short grace (control reads that as "outcome unknown" and looks again;
+    a 500 would make it delete the instance), and the next host adopts the loading backend."""
+    with HostProc(tmp_path, env={"INSTANCE_READY_TIMEOUT_S": "300"}) as h:
+        h.start()
+        with h.client() as c:
+            cfg = script_config(h.tmp, "--ready-after", "8", alias="slow")
+            iid = c.post("/instances", json={"config": cfg}).json()["instance"]["id"]
+        thread, got = _start_in_background(h, iid)
+        pid = _pid_of(h, iid)
+        t0 = time.monotonic()
+        h.proc.send_signal(signal.SIGUSR2)  # type: ignore[union-attr]
+        assert h.proc.wait(timeout=30) == 0  # type: ignore[union-attr]
+        took = time.monotonic() - t0
+        thread.join(10)
+        assert took < 6, f"the hand-over took {took:.1f} s"
+        assert got.get("answer") in ("RemoteProtocolError", "ReadError"), got
+        assert alive(pid)
+        h.start()
+        with h.client() as c:
+            deadline = time.monotonic() + 60
+            while (inst := c.get(f"/instances/{iid}").json())["status"] != "running":
+                assert inst["status"] == "starting", inst
+                assert time.monotonic() < deadline, inst
+                time.sleep(0.1)
+        assert inst["pid"] == pid, inst
+
+
+def test_an_adopted_start_that_fails_keeps_its_retries(tmp_path: Path) -> None:
+    """A backend still loading when the host restarted, whose load then failed once, was left
+    failed for good (wanted running, nothing to bring it back); the same failure without the
+    restart is retried. The adoption now has the retries of the start it took over."""
+    flag = tmp_path / "failed-once"
+    once = f'if [ -e {flag} ]; then exec "$@"; fi; touch {flag}; sleep 3; echo failed; exit 1'
+    with HostProc(tmp_path) as h:
+        h.start()
+        with h.client() as c:
+            cfg = script_config(
+                h.tmp, "--ready-after", "1", alias="t", fake_wrapper=["sh", "-c", once, "sh"]
+            )
+            iid = c.post("/instances", json={"config": cfg}).json()["instance"]["id"]
+        _start_in_background(h, iid)
+        first = _pid_of(h, iid)
+        h.kill()
+        h.start()
+        with h.client() as c:
+            deadline = time.monotonic() + 60
+            while (inst := c.get(f"/instances/{iid}").json())["status"] != "running":
+                assert time.monotonic() < deadline, inst
+                time.sleep(0.1)
+        assert inst["pid"] != first and alive(inst["pid"]), inst
+        assert [p.pid for p in h.backends()] == [inst["pid"]]
 
 
 def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) -> None:

@@ -154,12 +154,18 @@ class Supervisor:
                 ) from None
             raise
 
-    async def _start(self, *, restart: bool = False) -> Any:
+    async def _start(
+        self, *, restart: bool = False, attempts: int | None = None, deadline: float | None = None
+    ) -> Any:
+        """A start: up to `attempts` (1 + MAX_RETRIES) attempts until `deadline` (monotonic;
+        START_DEADLINE_S from now). An adopted start that failed passes what it has left."""
         await admit_start(self)  # fit check and placement: 409 before anything is spawned
         token = instance_id_var.set(self.id)
         settings = self.m.settings
-        deadline = time.monotonic() + settings.start_deadline_s
-        attempts = 1 + settings.max_retries
+        if deadline is None:
+            deadline = time.monotonic() + settings.start_deadline_s
+        if attempts is None:
+            attempts = 1 + settings.max_retries
         last: AttemptFailed | None = None
         try:
             if not self.stored.want_running:
@@ -959,6 +965,7 @@ class Supervisor:
         timeout = max(settings.start_deadline_s - max(elapsed, 0.0), 5.0)
         backend = self.backend()
         config = self.instance.config
+        adopted_at = time.monotonic()
         try:
             await self._wait_ready(proc, backend, config.host, rec.port, timeout)
         except AttemptFailed as err:
@@ -979,6 +986,25 @@ class Supervisor:
             )
             await self.m.persist()
             self._after_stop_hook()
+            # The start that spawned it had retries left: they are this adoption's, within
+            # that start's deadline, as if the host had never restarted.
+            left = settings.start_deadline_s - max(elapsed, 0.0) - (time.monotonic() - adopted_at)
+            if (
+                err.retryable
+                and settings.max_retries > 0
+                and left > 0
+                and self.stored.want_running
+                and not self.deleted
+            ):
+                log.info(
+                    "starting %s again: %d attempt(s) of the start it was in remain",
+                    self.id,
+                    settings.max_retries,
+                )
+                self.counters["start_failures"] += 1
+                return await self._start(
+                    attempts=settings.max_retries, deadline=time.monotonic() + left
+                )
             raise StartFailed(self.id, err.reason, err.exit_code, self._tail()) from None
         if self.follower is not None:
             self.follower.hot_polling = True
