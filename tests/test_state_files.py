@@ -135,6 +135,21 @@ def records(tmp_path: Path, n: int) -> list[StoredInstance]:
     return out
 
 
+@pytest.mark.parametrize("value", ["false", 0, None, [False]])
+def test_a_want_running_that_is_not_a_boolean_quarantines_its_entry(
+    tmp_path: Path, value: Any
+) -> None:
+    """bool() read "false" (a hand edit) as true: the host started what the entry said it did
+    not want. An entry that does not say true or false is quarantined, as other damage is."""
+    store = InstanceStore(tmp_path / "config.json", tmp_path)
+    [rec] = records(tmp_path, 1)
+    entry = {"instance": rec.instance.model_dump(mode="json"), "want_running": value}
+    result = store.parse(json.dumps({"instances": [entry]}).encode())
+    assert result.records == []
+    [q] = result.quarantined
+    assert "want_running" in q.reason
+
+
 def test_incremental_encoding_gives_the_full_encoding(tmp_path: Path) -> None:
     store = InstanceStore(tmp_path / "config.json", tmp_path)
     recs = records(tmp_path, 30)

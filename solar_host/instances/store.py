@@ -245,7 +245,9 @@ class InstanceStore:
         if "instance" in entry:  # our format
             inst_raw = dict(entry["instance"])
             process = entry.get("process")
-            want = bool(entry.get("want_running", False))
+            want = entry.get("want_running", False)
+            if not isinstance(want, bool):  # bool("false") is True: a hand edit, not ours
+                raise ValueError(f"want_running is {_kind(want)}, not true or false")
         else:  # upstream's format: the Instance itself, status says what ran
             inst_raw = dict(entry)
             process = None
