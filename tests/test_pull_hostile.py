@@ -702,6 +702,19 @@ def _chunked(h, total: int, tail: bytes) -> None:
         pass
 
 
+async def _refused_pull(tmp_path: Path, hub: FakeHub) -> PullError:
+    """What the pull of acme/m from `hub` (started here, stopped after) was refused with."""
+    hub.start()
+    try:
+        store = make_store(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        with pytest.raises(PullError) as err:
+            await asyncio.wait_for(store.pull(_hf()), 60)
+        return err.value
+    finally:
+        hub.stop()
+
+
 class HugeInfoHub(FakeHub):
     """A Hub whose repository info is an answer of `size` bytes with no length given."""
 
@@ -719,15 +732,8 @@ async def test_an_endless_hub_answer_is_refused_not_read_into_memory(tmp_path, m
     monkeypatch.setattr(huggingface, "MAX_METADATA_BYTES", 1 * MB)
     hub = HugeInfoHub(_hub_repo(tmp_path, {"w.bin": b"x"}))
     hub.size = 8 * MB
-    hub.start()
-    try:
-        store = make_store(tmp_path, hf_endpoint=hub.url)
-        await store.start()
-        with pytest.raises(PullError) as err:
-            await asyncio.wait_for(store.pull(_hf()), 60)
-        assert err.value.status_code == 502 and "over 1 MiB" in err.value.detail
-    finally:
-        hub.stop()
+    err = await _refused_pull(tmp_path, hub)
+    assert err.status_code == 502 and "over 1 MiB" in err.detail
 
 
 async def test_an_endless_token_answer_is_refused_not_read_into_memory(tmp_path, hreg, monkeypatch):
@@ -777,17 +783,10 @@ async def test_what_a_hub_sends_that_cannot_be_stored_is_a_502(tmp_path, lie):
     announced size) were 500s, as if the host had failed."""
     hub = LyingHub(_hub_repo(tmp_path, {"config.json": b"{}"}))
     hub.lie = lie
-    hub.start()
-    try:
-        store = make_store(tmp_path, hf_endpoint=hub.url)
-        await store.start()
-        with pytest.raises(PullError) as err:
-            await asyncio.wait_for(store.pull(_hf()), 60)
-        assert (err.value.status_code, err.value.error) == (502, "model_pull_failed"), err.value
-        assert not (tmp_path / "evil.txt").exists()
-        assert not (tmp_path / "models" / "evil.txt").exists()
-    finally:
-        hub.stop()
+    err = await _refused_pull(tmp_path, hub)
+    assert (err.status_code, err.error) == (502, "model_pull_failed"), err
+    assert not (tmp_path / "evil.txt").exists()
+    assert not (tmp_path / "models" / "evil.txt").exists()
 
 
 @pytest.mark.parametrize(
