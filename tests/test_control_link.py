@@ -1211,3 +1211,137 @@ def test_a_bad_echo_schedule_is_refused_naming_the_setting(bad):
         0.5,
         2.0,
     ]
+
+
+# --- a hostile control, second review: packets that wedged the link or grew memory ------------
+
+
+async def _raw_send(server: ControlServer, data: str | bytes) -> None:
+    """A raw Engine.IO message to the only connected host, past the server's own encoder."""
+    eio_sid = server.sio.manager.eio_sid_from_sid(server.only_sid(), "/hosts")
+    await server.sio.eio.send(eio_sid, data)
+
+
+async def test_a_binary_event_from_control_is_refused_and_commands_still_answer(
+    tmp_path: Path,
+) -> None:
+    """A binary event's header announcing a million attachments: every message after it was
+    taken as one, so commands were never answered while the link looked healthy, and each
+    binary frame was kept in memory. The contract has no binary events: refused, one by one."""
+    async with ControlServer(known_keys={KEY: "h1"}) as server:
+        link = await started_link(make_host(tmp_path, server.url))
+        try:
+            await wait_for(lambda: link.registered, 10)
+            await _raw_send(server, '51000000-/hosts,["pending",{"_placeholder":true,"num":0}]')
+            for _ in range(20):
+                await _raw_send(server, b"\0" * 65536)
+            ack = await server.call("stop_instance", {"instance_id": "missing"}, within_s=10)
+            assert ack["error"]["code"] == "not_found", ack
+            assert link.refused_packets == 21 and link.registered and link.reconnects == 0
+        finally:
+            await link.stop()
+
+
+async def test_a_command_nested_too_deep_to_decode_is_answered_with_a_400(tmp_path: Path) -> None:
+    """JSON nested past the decoder's recursion limit raised inside python-socketio, before any
+    host code: the command got no answer at all (REST answers the same body with a 400)."""
+    async with ControlServer(known_keys={KEY: "h1"}) as server:
+        link = await started_link(make_host(tmp_path, server.url))
+        try:
+            await wait_for(lambda: link.registered, 10)
+            answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            plain = server.sio._handle_ack
+
+            async def spy(eio_sid: str, namespace: str, ack_id: int, data: Any) -> None:
+                if ack_id == 7 and not answered.done():
+                    answered.set_result(data)
+                await plain(eio_sid, namespace, ack_id, data)
+
+            server.sio._handle_ack = spy
+            deep = "[" * 5000 + "]" * 5000
+            await _raw_send(server, f'2/hosts,7["create_instance",{{"config":{deep}}}]')
+            [ack] = await asyncio.wait_for(answered, 10)
+            assert ack["ok"] is False and ack["status"] == 400, ack
+            assert "nested too deep" in ack["error"]["message"], ack
+            again = await server.call("stop_instance", {"instance_id": "missing"}, within_s=10)
+            assert again["error"]["code"] == "not_found"
+        finally:
+            await link.stop()
+
+
+async def test_a_control_that_reads_no_answers_cannot_grow_the_hosts_memory(
+    tmp_path: Path,
+) -> None:
+    """Commands sent without end and no ack ever read: each ack was queued in the host's memory
+    (the queue's cap held back reports only). Past MAX_UNREAD_PACKETS the link is closed."""
+    from solar_host.control import client
+    from tests.fixtures.raw_control import frame, serve_raw
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.pause_reading()  # reads nothing the host sends from now on
+        for i in range(4000):
+            writer.write(frame(f'42/hosts,{i}["stop_instance",{{"instance_id":"m{i}"}}]'))
+            if i % 500 == 0:
+                await writer.drain()
+        await writer.drain()
+        await asyncio.sleep(60)
+
+    server = await serve_raw(flood)
+    port = server.sockets[0].getsockname()[1]
+    link = await started_link(make_host(tmp_path, f"http://127.0.0.1:{port}"))
+    try:
+        await wait_for(lambda: link.reconnects >= 1, 60)
+        assert link.reconnects >= 1
+        session = link._session
+        queued = session.sio.eio.queue.qsize() if session is not None else 0
+        assert queued <= client.MAX_UNREAD_PACKETS + 8, queued
+    finally:
+        await link.stop()
+        server.close()
+
+
+async def test_a_control_that_falls_silent_is_left_for_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine.IO takes its ping timeouts from the server: a control that announced an hour and
+    fell silent after its ack kept the host registered to a dead peer for that hour, never
+    failing over. Silence past MAX_SILENCE_S closes the link."""
+    from solar_host.control import client
+    from tests.fixtures.raw_control import serve_raw
+
+    monkeypatch.setattr(client, "MAX_SILENCE_S", 2.0)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(60)
+
+    dead = await serve_raw(silent, ping_ms=3_600_000)
+    port = dead.sockets[0].getsockname()[1]
+    async with ControlServer(known_keys={KEY: "h1"}) as good:
+        link = await started_link(make_host(tmp_path, f"http://127.0.0.1:{port},{good.url}"))
+        try:
+            await good.wait_until(lambda: good.connects, within_s=30)
+            await wait_for(lambda: link.registered, 10)
+        finally:
+            await link.stop()
+            dead.close()
+
+
+async def test_pending_after_an_ack_takes_the_registration_back(tmp_path: Path) -> None:
+    """`pending` (or `rejected`) after `registration_ack` in the same session left the host
+    registered: it went on sending host_health, which control reads only from approved hosts.
+    Until the next ack, only registration goes out; the next ack syncs everything again."""
+    async with ControlServer(known_keys={KEY: "h1"}) as server:
+        link = await started_link(make_host(tmp_path, server.url, health_report_interval_s=0.2))
+        try:
+            await wait_for(lambda: link.registered, 10)
+            await server.emit("pending", {"pending_id": "p-1"})
+            await wait_for(lambda: not link.registered and link.pending_id == "p-1", 5)
+            await asyncio.sleep(0.5)  # a report in flight at the pending may still land
+            health = len(server.events("host_health"))
+            await asyncio.sleep(1.0)
+            assert len(server.events("host_health")) == health
+            await server.emit("registration_ack", {"host_id": "h1", "host_name": "test-host"})
+            await wait_for(lambda: link.registered, 5)
+            await server.wait_until(lambda: len(server.events("host_health")) > health, 5)
+        finally:
+            await link.stop()

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ from urllib.parse import urlsplit
 import socketio
 
 from solar_host import events as ev
-from solar_host.control.commands import COMMANDS, CommandRunner
+from solar_host.control.commands import COMMANDS, CommandRunner, failure
 from solar_host.control.outbox import Outbox
+from solar_host.control.packets import REFUSED, ControlPacket
 from solar_host.control.payloads import PayloadBuilder
 from solar_host.control.reporter import Reporter
 
@@ -50,11 +52,33 @@ NAMESPACE = "/hosts"
 HEALTH_DEBOUNCE_S = 0.2
 # Packets waiting in the Engine.IO send queue above which reports wait and the outbox holds.
 MAX_QUEUED_PACKETS = 32
+# Packets in the send queue at which control counts as not reading at all: a command then
+# closes the link instead of queueing its answer behind the others.
+MAX_UNREAD_PACKETS = 1024
 # Largest WebSocket message accepted from control: a bigger one closes the link (aiohttp), so
 # commands up to this size are read and answered (payload_too_large above the command limit).
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# (Every byte of a message is decoded on the event loop before any limit is checked: a 13 MiB
+# command cost 1.6 s of it.)
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Longest silence of control (not even a ping: control pings every 25 s by default) after
+# which the host drops the link and connects again.
+MAX_SILENCE_S = 90.0
 # Longest id or name accepted from control's events (uuids and names are far shorter).
 MAX_FIELD_CHARS = 256
+
+
+def _stamp_packets(session: _Session) -> None:
+    """Note the time of every packet the session receives (Engine.IO's pings too)."""
+    eio = session.sio.eio
+    receive = getattr(eio, "_receive_packet", None)
+    if receive is None:  # another python-engineio: the link keeps the server's own timeouts
+        return
+
+    async def stamped(pkt: Any) -> Any:
+        session.last_heard = time.monotonic()
+        return await receive(pkt)
+
+    eio._receive_packet = stamped
 
 
 def _worth_logging(count: int) -> bool:
@@ -106,6 +130,8 @@ class _Session:
     synced_seq: int = 0
     pending_logged: set[str | None] = field(default_factory=set)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
+    last_heard: float = field(default_factory=time.monotonic)  # any packet, pings included
+    silent: bool = False  # closed for hearing nothing past MAX_SILENCE_S
 
     @property
     def acked(self) -> bool:
@@ -136,6 +162,7 @@ class ControlLink:
         self.rejected_reason: str | None = None
         self._rejected_key: str | None = None
         self.ignored_fields = 0  # wrong-typed fields in control's events
+        self.refused_packets = 0  # binary or undecodable packets from control (packets.py)
         self.commands = CommandRunner(
             lambda: self.host.services.get("instances"),
             max_in_flight=self.settings.control_max_commands_in_flight,
@@ -204,6 +231,7 @@ class ControlLink:
                 "payload_too_large": self.commands.refused_size,
             },
             "ignored_fields": self.ignored_fields,
+            "refused_packets": self.refused_packets,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -296,6 +324,10 @@ class ControlLink:
                 break
             await self._wait_closed(session)
             await self._end_session(session)
+            if session.silent or not session.acked:
+                # A replica that fell silent, or never registered this host: the next one
+                # is tried first (one that keeps accepting and then fails would hold it).
+                self._url_index = (self._url_index + 1) % len(self.urls)
             if not self._running or self._rejected_for_good():
                 break
             self.reconnects += 1
@@ -329,9 +361,14 @@ class ControlLink:
             handle_sigint=False,
             ssl_verify=not self.settings.insecure,
             request_timeout=self.connect_timeout_s,
-            websocket_extra_options={"max_msg_size": MAX_MESSAGE_BYTES},
+            # Room for a command at the limit to be read and refused with an answer.
+            websocket_extra_options={
+                "max_msg_size": max(MAX_MESSAGE_BYTES, 2 * self.commands.max_bytes)
+            },
+            serializer=ControlPacket,
         )
         session = _Session(sio=sio, url=url, api_key=self.host.api_key)
+        _stamp_packets(session)
         self._bind_handlers(session)
         self._session = session
         auth = {"api_key": session.api_key, "host_name": self.settings.effective_host_name}
@@ -363,6 +400,16 @@ class ControlLink:
         while not session.closed.is_set() and self._running:
             await wait_event(session.closed, 1.0)
             if session.sio.eio.state != "connected":
+                session.closed.set()
+            elif time.monotonic() - session.last_heard > MAX_SILENCE_S:
+                # Engine.IO takes its ping timeouts from the server: one that announced an
+                # hour and fell silent held the host on a dead link for as long.
+                log.warning(
+                    "nothing from solar-control at %s for %.0f s; closing the link",
+                    session.url,
+                    MAX_SILENCE_S,
+                )
+                session.silent = True
                 session.closed.set()
 
     async def _end_session(self, session: _Session) -> None:
@@ -426,6 +473,7 @@ class ControlLink:
                 log.warning("solar-control: waiting for admin approval (pending id %s)", pending_id)
             self.pending_id = pending_id
             self._clear_rejection()  # control's newest word: waiting, not refused
+            self._unregister(session)
 
         async def on_rejected(data: Any = None) -> None:
             fields = self._fields("rejected", data, reason=str)
@@ -433,6 +481,7 @@ class ControlLink:
             self.rejected_reason = fields.get("reason")
             self._rejected_key = session.api_key
             log.warning("solar-control rejected this host: %s", self.rejected_reason)
+            self._unregister(session)
 
         sio.on("connect", on_connect, namespace=NAMESPACE)
         sio.on("disconnect", on_disconnect, namespace=NAMESPACE)
@@ -442,13 +491,40 @@ class ControlLink:
         for name in COMMANDS:
             sio.on(name, self._command_handler(name), namespace=NAMESPACE)
 
-    def _command_handler(self, name: str) -> Callable[..., Coroutine[Any, Any, dict[str, Any]]]:
+        async def on_refused(what: Any = None, *_: Any) -> dict[str, Any]:
+            self.refused_packets += 1
+            if _worth_logging(self.refused_packets):
+                log.warning("solar-control sent %s; refused", what)
+            return failure(400, f"refused: {what}", code="invalid_request")
+
+        sio.on(REFUSED, on_refused, namespace=NAMESPACE)
+        sio.on(REFUSED, on_refused, namespace="/")  # a bare binary frame names no namespace
+
+    def _command_handler(
+        self, name: str
+    ) -> Callable[..., Coroutine[Any, Any, dict[str, Any] | None]]:
         # python-socketio runs each incoming event as its own task, so a start that takes
         # minutes does not hold up other events; the return value is the ack.
-        async def handler(data: Any = None, *extra: Any) -> dict[str, Any]:
+        async def handler(data: Any = None, *extra: Any) -> dict[str, Any] | None:
+            session = self._session
+            if session is not None and self._unread(session):
+                # Control sends commands and reads none of the acks: each one queued was kept
+                # in memory. The link is closed (and made again); the command is not run.
+                if not session.closed.is_set():
+                    log.warning(
+                        "solar-control does not read what the host sends (%d packets "
+                        "queued); closing the link",
+                        MAX_UNREAD_PACKETS,
+                    )
+                    session.closed.set()
+                return None
             return await self.commands.run(name, data)
 
         return handler
+
+    def _unread(self, session: _Session) -> bool:
+        queue = getattr(session.sio.eio, "queue", None)
+        return queue is not None and queue.qsize() >= MAX_UNREAD_PACKETS
 
     def _fields(self, event: str, data: Any, **types: type) -> dict[str, Any]:
         """The fields of a control event that have the expected type; others are ignored (and
@@ -483,6 +559,14 @@ class ControlLink:
                     kind.__name__,
                 )
         return out
+
+    def _unregister(self, session: _Session) -> None:
+        """Control took its approval back (pending, or rejected, after an ack): until the next
+        ack only registration is sent, as before the first (contract: while pending, control
+        reads nothing else); the next ack syncs everything again."""
+        session.ack_seq = session.synced_seq = 0
+        if session is self._session:
+            self.outbox.set_accepting(False)
 
     def _maybe_sync(self, session: _Session) -> None:
         """Run the post-approval sync once per ack, once the namespace is connected."""

@@ -109,6 +109,8 @@ def payload_size(obj: Any, limit: int) -> int:
                 stack.append(value)
         elif isinstance(item, (list, tuple)):
             total += 2 + len(item)
+            if total > limit:  # before copying a list of millions onto the stack
+                break
             stack.extend(item)
         elif isinstance(item, (bytes, bytearray)):
             total += len(item)
