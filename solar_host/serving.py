@@ -35,6 +35,7 @@ from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
 from solar_host.handover import HAND_OVER_SIGNAL
 from solar_host.host import Host, StartupError, build_host
+from solar_host.httpguard import guarded_protocol
 from solar_host.sdnotify import Notifier
 from solar_host.sdnotify import cancel as cancel_task
 from solar_host.settings import Settings
@@ -256,7 +257,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
             port=settings.port,
             log_config=None,
             access_log=False,
-            http=header_timeout_protocol(settings.http_header_timeout_s),
+            http=guarded_protocol(settings.http_header_timeout_s),
         )
         server = _notifying_server(config, on_started=app.notify_ready)
         logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
@@ -287,56 +288,6 @@ def serve(settings: Settings, **overrides: Any) -> int:
         if app is not None:
             app.host.release()
         gc.enable()
-
-
-def header_timeout_protocol(timeout_s: float) -> Any:
-    """uvicorn's httptools protocol, closing a connection whose request headers do not arrive
-    within `timeout_s` (HTTP_HEADER_TIMEOUT_S). uvicorn itself never times out a connection
-    that has not finished its headers. "auto", without that bound, where httptools is
-    missing."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return "auto"
-
-    class HeaderTimeoutProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def on_message_begin(self) -> None:
-            self._arm()
-            super().on_message_begin()
-
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
-
-        def handle_websocket_upgrade(self) -> None:
-            self._disarm()
-            super().handle_websocket_upgrade()
-
-    return HeaderTimeoutProtocol
 
 
 class _OneLineRefusal(logging.Filter):

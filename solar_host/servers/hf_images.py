@@ -31,10 +31,20 @@ FETCH_TIMEOUT_S = 10.0
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
+# Deprecated IPv6 site-local addresses (RFC 3879), still routed inside some sites:
+# is_global says True for them.
+_SITE_LOCAL = ipaddress.ip_network("fec0::/10")
+
+
 def address_is_public(addr: Address) -> bool:
-    """True only for globally routable unicast addresses."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
+    """True only for globally routable unicast addresses. An IPv6 address that carries an IPv4
+    one (mapped, 6to4, Teredo) is judged by that: 2002:7f00:1:: is 127.0.0.1 over 6to4."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr in _SITE_LOCAL:
+            return False
+        inner = addr.ipv4_mapped or addr.sixtofour or (addr.teredo[1] if addr.teredo else None)
+        if inner is not None:
+            addr = inner
     return addr.is_global and not (
         addr.is_private
         or addr.is_loopback

@@ -72,8 +72,15 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise bad("Request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        # Strict UTF-8 first: json.loads(bytes) also takes UTF-16 and UTF-32, and decodes
+        # UTF-8 with "surrogatepass", so an encoded lone surrogate got past the escape check
+        # below and failed the tokenizer, for every request of its batch.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad(f"Request body is not UTF-8: {err}", code="invalid_json") from None
+    try:
+        body = json.loads(text)
+    except ValueError as err:
         raise bad(f"Request body is not valid JSON: {err}", code="invalid_json") from None
     except RecursionError:
         raise bad("Request body is nested too deeply", code="invalid_json") from None
@@ -81,11 +88,14 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise bad("Request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(raw):
         for name, value in body.items():
-            if not _encodable(value):
+            if not _encodable(name) or not _encodable(value):
+                # The name as an escape: the message is encoded, and the name may be the bad
+                # text itself.
+                shown = name.encode("utf-8", "backslashreplace").decode()
                 raise bad(
-                    f"'{name}' holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                    f"'{shown}' holds a lone UTF-16 surrogate (an escape such as \\ud800 "
                     "without its pair), which is not a character",
-                    name,
+                    shown,
                 )
     return body
 
@@ -300,6 +310,37 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if c is not None and not isinstance(c, str | list):
             raise bad(f"'messages[{i}].content' must be a string or a list of parts", "messages")
     return msgs
+
+
+def refuse_long_chat(body: dict[str, Any], max_tokens: int, max_chars: int) -> None:
+    """A 400 for messages that cannot fit the context, found before anything is templated or
+    tokenized: more messages than the context has tokens (a template gives each at least one),
+    or more text than `max_chars` (see CausalEngine.max_prompt_chars). 250,000 empty messages
+    took 3 s of the event loop to template; 30 MB of text in a vision request, a minute of
+    tokenizing and 6 GB."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return  # _messages says what is wrong with it
+    too_long = APIError(
+        400,
+        f"The messages do not fit in this model's maximum context of {max_tokens} tokens",
+        code="context_length_exceeded",
+        param="messages",
+    )
+    if len(msgs) >= max_tokens:
+        raise too_long
+    chars = 0
+    for m in msgs:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            chars += len(c)
+        elif isinstance(c, list):
+            for part in c:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str):
+                    chars += len(text)
+        if chars > max_chars:
+            raise too_long
 
 
 def text_messages(body: dict[str, Any]) -> list[dict[str, str]]:

@@ -44,10 +44,11 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from solar_host.httpguard import guarded_protocol
 from solar_host.servers.hf_batcher import DynamicBatcher
 from solar_host.servers.hf_images import ImageLoader, ImagePolicy
 from solar_host.servers.hf_protocol import (
@@ -59,6 +60,7 @@ from solar_host.servers.hf_protocol import (
     parse_embedding,
     parse_gen_params,
     parse_prompt,
+    refuse_long_chat,
     text_messages,
     vision_messages,
 )
@@ -74,6 +76,10 @@ CAPABILITIES = {
 }
 JSON = "application/json"
 MIN_BODY_LIMIT = 8 * 1024 * 1024
+# Longest wait for a request's body, and for a connection's request headers (the environment
+# may set others: SOLAR_HF_BODY_TIMEOUT_S, SOLAR_HF_HEADER_TIMEOUT_S).
+BODY_TIMEOUT_S = 30.0
+HEADER_TIMEOUT_S = 15.0
 # Prompts up to this many characters are tokenized on the event loop (a few ms at most).
 ON_LOOP_PROMPT_CHARS = 64 * 1024
 
@@ -125,8 +131,22 @@ class MarkerLog:
         if self._pending:
             text = "\n".join(self._pending) + "\n"
             self._pending.clear()
-            sys.stdout.write(text)
-            sys.stdout.flush()
+            # Never raises for what a line holds: a line that cannot be encoded (a client's
+            # lone surrogate) failed the write of every other request's line with it.
+            text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+            try:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            except OSError as err:  # the host's log file: nothing else to tell
+                print(f"marker log write failed: {err}", file=sys.stderr)
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def keys_from_env(environ: dict[str, str] | os._Environ = os.environ) -> list[bytes]:
@@ -227,7 +247,9 @@ class HFServer:
         # that lets go of the GIL, and the event loop then waits for the decode thread to hand it
         # back (see prompt_encoder): once per request, on the loop every request queues behind.
         self._rand = random.Random(secrets.randbits(128))
+        self.body_timeout_s = _seconds_from_env("SOLAR_HF_BODY_TIMEOUT_S", BODY_TIMEOUT_S)
         self.in_flight = 0
+        self._open: set[str] = set()  # ids of the requests begun and not yet ended
         self.generating = 0
         self.completed = 0
         self.errors = 0
@@ -284,6 +306,7 @@ class HFServer:
 
     def begin(self, endpoint: str) -> tuple[str, float]:
         rid = f"{self._prefix}-{next(self._ids)}"
+        self._open.add(rid)
         self.in_flight += 1
         self.log.line(f"[REQUEST] id={rid} endpoint={endpoint}")
         return rid, time.perf_counter()
@@ -293,7 +316,8 @@ class HFServer:
         caller awaits `log.written()` before the response's last event goes out: the host's
         last-generation record is then this request's as soon as its client has read the
         response, however late the host reads the log."""
-        self.in_flight -= 1
+        if not self._end(rid):
+            return
         self.completed += 1
         elapsed = time.perf_counter() - t0
         line = (
@@ -307,8 +331,18 @@ class HFServer:
             line += f" started_at={start.isoformat()} finished_at={end.isoformat()}"
         self.log.line(line)
 
-    def fail(self, rid: str, endpoint: str, status: int, message: str) -> None:
+    def _end(self, rid: str) -> bool:
+        """Count a request's end once: an error after its [COMPLETE] (while its answer is
+        built or sent) is not a second end."""
+        if rid not in self._open:
+            return False
+        self._open.discard(rid)
         self.in_flight -= 1
+        return True
+
+    def fail(self, rid: str, endpoint: str, status: int, message: str) -> None:
+        if not self._end(rid):
+            return
         self.errors += 1
         msg = message.replace("\n", " ")[:300]
         self.log.line(f"[ERROR] id={rid} endpoint={endpoint} status={status} message={msg}")
@@ -325,11 +359,21 @@ class HFServer:
             raise too_big
         parts: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                raise too_big
-            parts.append(chunk)
+        try:
+            # A body that stops coming held the request (and the host's view of the
+            # instance as busy) for ever.
+            async with asyncio.timeout(self.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body:
+                        raise too_big
+                    parts.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"The request body did not arrive within {self.body_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
         return b"".join(parts)
 
     def require(self, *types: str, what: str) -> None:
@@ -370,6 +414,10 @@ class HFServer:
             body = parse_body(await self.read_body(request))
             _REQUEST.set(request)
             return await handler(body, rid, t0)
+        except ClientDisconnect:  # gone while its body was read: not the server's error
+            err = ClientGone()
+            self.fail(rid, endpoint, err.status, err.message)
+            return error_response(err)
         except APIError as err:
             self.fail(rid, endpoint, err.status, err.message)
             return error_response(err)
@@ -426,6 +474,7 @@ class HFServer:
     async def chat(self, body: dict[str, Any], rid: str, t0: float) -> Response:
         self.require("causal", "vision", what="/v1/chat/completions")
         params = parse_gen_params(body)
+        refuse_long_chat(body, self.engine.limit, self.engine.max_prompt_chars)
         if self.model_type == "vision":
             messages, urls = vision_messages(body, self.images.policy.max_images)
             images = await self.images.load(urls)
@@ -922,6 +971,8 @@ def main(argv: list[str] | None = None) -> int:
         log_config=_log_config(),
         access_log=False,
         proxy_headers=False,  # no proxy in front; its middleware ran on every request
+        # Request headers bounded in time and size.
+        http=guarded_protocol(_seconds_from_env("SOLAR_HF_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S)),
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
