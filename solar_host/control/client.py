@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -63,6 +64,11 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # Longest silence of control (not even a ping: control pings every 25 s by default) after
 # which the host drops the link and connects again.
 MAX_SILENCE_S = 90.0
+# A session shorter than this counts as a failure for the reconnect delay.
+SHORT_SESSION_S = 10.0
+# Socket.IO servers refuse messages past max_http_buffer_size, 1,000,000 bytes by default
+# (python-engineio): a report above it is dropped, and so is the link.
+CONTROL_MESSAGE_LIMIT = 1_000_000
 # Longest id or name accepted from control's events (uuids and names are far shorter).
 MAX_FIELD_CHARS = 256
 
@@ -163,6 +169,7 @@ class ControlLink:
         self._rejected_key: str | None = None
         self.ignored_fields = 0  # wrong-typed fields in control's events
         self.refused_packets = 0  # binary or undecodable packets from control (packets.py)
+        self.oversized_reports = 0  # reports past CONTROL_MESSAGE_LIMIT
         self.commands = CommandRunner(
             lambda: self.host.services.get("instances"),
             max_in_flight=self.settings.control_max_commands_in_flight,
@@ -232,6 +239,7 @@ class ControlLink:
             },
             "ignored_fields": self.ignored_fields,
             "refused_packets": self.refused_packets,
+            "oversized_reports": self.oversized_reports,
         }
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -318,7 +326,7 @@ class ControlLink:
                     delay = min(delay * 2, cap)
                 continue
             failed_in_round = 0
-            delay = base
+            began = time.monotonic()
             if not self._running:
                 await self._close(session)
                 break
@@ -331,6 +339,11 @@ class ControlLink:
             if not self._running or self._rejected_for_good():
                 break
             self.reconnects += 1
+            # A link that keeps ending soon after it is made (a control dropping every report,
+            # one over its message size say) backs off as failed connects do, instead of
+            # reconnecting at the base delay for ever.
+            lasted = time.monotonic() - began
+            delay = base if lasted >= SHORT_SESSION_S else min(delay * 2, cap)
             if await self._backoff(delay):
                 delay = base
         if self._rejected_for_good():
@@ -608,7 +621,29 @@ class ControlLink:
             self.emit_failures += 1
             log.exception("building %s failed", event)
             return False
+        if event != "host_health":
+            self._warn_if_oversized(event, payload)
         return await self._emit(event, payload, session)
+
+    def _warn_if_oversized(self, event: str, payload: Any) -> None:
+        """Say so, loudly, when a report is past control's default message limit: control
+        then drops it and the link, and nothing else would tell the operator why."""
+        instances = payload.get("instances") if isinstance(payload, dict) else None
+        if not isinstance(instances, list) or len(instances) < 1000:
+            return  # an entry is well under 1 KB: far from the limit, skip the encoding
+        size = len(json.dumps(payload, separators=(",", ":"), default=str))
+        if size > CONTROL_MESSAGE_LIMIT:
+            self.oversized_reports += 1
+            if _worth_logging(self.oversized_reports):
+                log.error(
+                    "the %s report is %d bytes (%d instances): solar-control's Socket.IO server "
+                    "refuses messages over %d bytes unless its max_http_buffer_size is raised, "
+                    "and drops the link with them",
+                    event,
+                    size,
+                    len(instances),
+                    CONTROL_MESSAGE_LIMIT,
+                )
 
     async def _emit(self, event: str, payload: Any, session: _Session | None = None) -> bool:
         session = session or self._session
