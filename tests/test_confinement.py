@@ -311,6 +311,27 @@ def test_no_cache_variable_makes_a_model_root_writable(tmp_path: Path) -> None:
     assert str(models) in policy.trees  # still read
 
 
+def test_relative_paths_in_a_backends_environment_grant_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRITON_CACHE_DIR="." (an SGLang config's extra_env) was opened by the host against its
+    own working directory, the state directory under systemd: the backend could read the
+    host's keys and config.json and write beside them."""
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.chdir(state)
+    env = {
+        "HOME": "home",
+        "TMPDIR": ".",
+        "TRITON_CACHE_DIR": ".",
+        "HF_HOME": "hf",
+        "PYTHONPATH": ".:lib",
+    }
+    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=[], env=env)
+    granted = set(policy.trees) | set(policy.writable)
+    assert not any(p == str(state) or p.startswith(str(state) + os.sep) for p in granted)
+
+
 def test_only_the_devices_runtimes_use_are_allowed(tmp_path: Path) -> None:
     """All of /dev was readable and writable: a backend of a host run as root could read and
     write every disk raw (/dev/sda), and so every file. Now: shared memory, the null and random

@@ -18,6 +18,28 @@ from pydantic import ConfigDict, Field, field_validator
 
 from solar_host.tracked import Tracked
 
+# Variables that move a runtime's cache or scratch space elsewhere.
+CACHE_VARS = (
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "HF_MODULES_CACHE",
+    "TORCH_HOME",
+    "TORCH_EXTENSIONS_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_HOME",
+    "TRITON_CACHE_DIR",
+    "CUDA_CACHE_PATH",
+    "FLASHINFER_WORKSPACE_BASE",
+    "PROMETHEUS_MULTIPROC_DIR",
+)
+# Variables whose value is a directory the host grants the backend (confinement): given in a
+# config, they must be absolute paths.
+PATH_VARS = frozenset({*CACHE_VARS, "HOME"})
+
 # Variables a caller may never set through `extra_env`: they change what code the backend
 # loads (a way to run arbitrary code as the host user) or how Python starts.
 LOADER_ENV_VARS = frozenset(

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from solar_host.backends.base import CACHE_VARS
+
 log = logging.getLogger(__name__)
 
 # <linux/landlock.h>, x86-64 and arm64 syscall numbers (the same on both).
@@ -167,24 +169,6 @@ DEV_ENTRIES = (
 DEV_PREFIXES = ("nvidia",)  # nvidiactl, nvidia0..N, nvidia-uvm, nvidia-modeset, ...
 # Under HOME, the caches the runtimes keep (HF, torch, triton, CUDA's JIT, DeepGEMM).
 HOME_WRITABLE = (".cache", ".triton", ".nv", ".deep_gemm")
-# Variables that move a runtime's cache or scratch space elsewhere.
-CACHE_VARS = (
-    "TMPDIR",
-    "XDG_CACHE_HOME",
-    "HF_HOME",
-    "HF_HUB_CACHE",
-    "HUGGINGFACE_HUB_CACHE",
-    "TRANSFORMERS_CACHE",
-    "HF_MODULES_CACHE",
-    "TORCH_HOME",
-    "TORCH_EXTENSIONS_DIR",
-    "TORCHINDUCTOR_CACHE_DIR",
-    "TRITON_HOME",
-    "TRITON_CACHE_DIR",
-    "CUDA_CACHE_PATH",
-    "FLASHINFER_WORKSPACE_BASE",
-    "PROMETHEUS_MULTIPROC_DIR",
-)
 
 
 class ConfinementUnavailable(RuntimeError):
@@ -253,12 +237,16 @@ def access_policy(
     root) is read there, not written, so one backend cannot rewrite the models of others."""
     from solar_host.model_store.roots import hub_caches
 
+    # Paths from the backend's environment count only when absolute: a relative one would be
+    # opened here against the host's working directory (its state: config.json, its keys),
+    # not where the backend resolves it.
     home = env.get("HOME") or os.path.expanduser("~")
     writable: list[str] = list(SYSTEM_WRITABLE)
     writable += _dev_entries()
-    writable += [os.path.join(home, t) for t in HOME_WRITABLE]
-    writable += [str(c) for c in hub_caches(env)]
-    writable += [env[name] for name in CACHE_VARS if env.get(name)]
+    if os.path.isabs(home):
+        writable += [os.path.join(home, t) for t in HOME_WRITABLE]
+    writable += [c for c in map(str, hub_caches(env)) if os.path.isabs(c)]
+    writable += [env[name] for name in CACHE_VARS if os.path.isabs(env.get(name) or "")]
     if not env.get("TMPDIR"):
         writable.append("/tmp")
     extra_writes = list(extra_writes)
@@ -268,7 +256,8 @@ def access_policy(
 
     trees: list[str] = list(SYSTEM_TREES)
     trees += [os.path.join("/etc", e) for e in ETC_ENTRIES]
-    trees += [os.path.join(home, t) for t in HOME_TREES]
+    if os.path.isabs(home):
+        trees += [os.path.join(home, t) for t in HOME_TREES]
     # The Python the host runs (our HF server and the test backends are this interpreter),
     # and where solar_host itself is installed (site-packages, or a source checkout).
     trees += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
@@ -277,7 +266,7 @@ def access_policy(
     # entry: the host's working directory or script directory, nothing a backend imports.
     trees += [p for p in sys.path[1:] if p]
     for name in ("PYTHONPATH", "LD_LIBRARY_PATH"):
-        trees += [p for p in env.get(name, "").split(os.pathsep) if p]
+        trees += [p for p in env.get(name, "").split(os.pathsep) if os.path.isabs(p)]
     trees += _program_trees(argv[0], env, home) if argv else []
     trees += list(extra_reads)
     # "/" would allow everything (an empty PYTHONPATH entry, a program in the root): the
