@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import psutil
 import pytest
 
 from solar_host.jobs.docker import DockerJobs
@@ -541,3 +544,95 @@ async def test_a_step_time_limit_that_is_no_time_limit_is_a_400_naming_it(
         assert r.status_code == 400, r.text
         assert "steps.0.timeout_s" in r.json()["detail"], r.text
         assert (await client.get("/jobs/t-1")).status_code == 404
+
+
+# --- 11. a second review of job faults ----------------------------------------------------------
+
+
+async def test_steps_stopped_for_their_time_limit_do_not_hold_up_the_host(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Each stop of a step that ignores SIGTERM waits out its 10 s grace, and it held a worker
+    of the shared executor that long: with eight of them (6 workers on 2 cores) every submit,
+    docker ping and state-file write of the host waited behind them, and the later steps ran
+    10 s past their limit and grace."""
+    host = Host(make_settings(tmp_path))
+    stubborn = "trap '' TERM; echo up; while true; do sleep 1; done"
+    async with running(host) as client:
+        for i in range(8):
+            step = sh("s", dockerd.image, stubborn, timeout_s=2)
+            r = await client.post("/jobs", json=job_body(f"t{i}", step))
+            assert r.status_code == 202, r.text
+        await asyncio.sleep(3.5)  # the limits have fired: eight stops wait out their grace
+        t0 = time.monotonic()
+        r = await client.post("/jobs", json=job_body("quick", sh("s", dockerd.image, "true")))
+        took = time.monotonic() - t0
+        assert r.status_code == 202, r.text
+        assert took < 3, f"a submit took {took:.1f} s while steps were being stopped"
+        bodies = [await wait_for(client, f"t{i}", finished, within=90) for i in range(8)]
+    durations = [b["steps"][0]["duration_s"] for b in bodies]
+    assert all(b["steps"][0]["error_message"].startswith("timed out") for b in bodies)
+    assert max(durations) < 2 + 10 + 6, durations
+
+
+async def test_a_daemon_killed_mid_step_fails_the_step_saying_so(
+    private_daemon: tuple[OwnDaemon, str],
+    tmp_path: Path,
+) -> None:
+    """dockerd killed (SIGKILL, an OOM kill) while a step runs: the wait's connection broke
+    and the error escaped the step, so the job failed as an "Internal error" with no
+    step_failed event, and a timed step never said it timed out."""
+    daemon, image = private_daemon
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        r = await client.post(
+            "/jobs", json=job_body("dk", sh("s", image, "echo up; exec sleep 60", timeout_s=30))
+        )
+        assert r.status_code == 202, r.text
+        await wait_for(client, "dk", _logged("up"))
+        assert daemon.proc is not None
+        children = psutil.Process(daemon.proc.pid).children()  # its containerd
+        daemon.proc.send_signal(signal.SIGKILL)  # dockerd alone, as the OOM killer would
+        daemon.proc.wait(timeout=10)
+        daemon.proc = None  # started again by the fixture, to sweep what is left
+        body = await wait_for(client, "dk", finished, within=60)
+        for child in children:  # ended as dockerd would have, so the next one starts clean
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+        psutil.wait_procs(children, timeout=10)
+    assert body["status"] == "failed", body
+    step = body["steps"][0]
+    assert step["status"] == "failed" and "Docker daemon was lost" in step["error_message"], step
+    assert host.names("dk").count("step_failed") == 1, host.names("dk")
+    assert host.names("dk")[-1] == "job_failed", host.names("dk")
+
+
+async def test_a_cancel_that_stops_waiting_still_ends_the_job_with_one_event(
+    dockerd: DockerDaemon,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """DELETE waits JOB_CANCEL_WAIT_S for the job, then forgets it. A step stuck in its create
+    (a slow pull: an image no registry here can serve, so the delay is injected) outlived
+    the wait, and the job never got a terminal event: no job_cancelled, ever."""
+    from solar_host.jobs.docker import ContainerStartError, DockerJobs
+
+    class SlowPull(DockerJobs):
+        def create(self, spec: Any) -> str:
+            if spec.image == "slow/pull:1":
+                time.sleep(3)
+                raise ContainerStartError("image 'slow/pull:1' could not be pulled")
+            return super().create(spec)
+
+    host = Host(make_settings(tmp_path, job_cancel_wait_s=0.5))
+    host.jobs._docker_factory = SlowPull.connect
+    async with running(host) as client:
+        step = {"name": "s", "image": "slow/pull:1", "command": ["true"]}
+        assert (await client.post("/jobs", json=job_body("x", step))).status_code == 202
+        await asyncio.sleep(0.3)
+        assert (await client.delete("/jobs/x")).status_code == 200
+        assert host.names("x").count("job_cancelled") == 1, host.names("x")
+        await asyncio.sleep(4)  # the stuck create has ended by now
+        assert (await client.get("/jobs/x")).status_code == 404
+    names = host.names("x")
+    assert names.count("job_cancelled") == 1 and "job_failed" not in names, names

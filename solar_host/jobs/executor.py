@@ -18,15 +18,13 @@ from typing import Any
 from solar_host.events import EventBus, JobLifecycle, utc_now
 from solar_host.jobs.docker import DockerJobs
 from solar_host.jobs.schemas import JobDefinition, JobStatus, StepStatus
-from solar_host.jobs.steps import JobRun, Outcome, StepRunner
+from solar_host.jobs.steps import SHUTDOWN_MESSAGE, JobRun, Outcome, StepRunner
 from solar_host.jobs.store import JobStore
 from solar_host.jobs.workspace import InsufficientDiskError, check_disk
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
-
-SHUTDOWN_MESSAGE = "Host shut down while the job was running"
 
 
 def required_disk_gb(settings: Settings, job: JobDefinition) -> float:
@@ -115,6 +113,11 @@ class JobExecutor:
             )
         )
         return f"Step '{name}' could not start: {reason}"
+
+    def finish(self, job: JobDefinition, run: JobRun) -> None:
+        """Record the end of a job whose task has not ended (a cancel that waited long
+        enough): its terminal state and event, once, as the task would have."""
+        self._finalise(job, run, None)
 
     def _finalise(self, job: JobDefinition, run: JobRun, failed_message: str | None) -> None:
         state = self.store.get(job.job_id)

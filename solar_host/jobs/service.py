@@ -33,7 +33,7 @@ from solar_host.jobs.schemas import (
     StepState,
 )
 from solar_host.jobs.step_logs import RECENT_LOGS, StepLogBuffer
-from solar_host.jobs.steps import JobRun, StepRunner
+from solar_host.jobs.steps import JobRun, StepRunner, run_in_thread
 from solar_host.jobs.store import STORE_FILE, JobStore
 from solar_host.jobs.workspace import (
     check_disk,
@@ -186,7 +186,11 @@ class JobService:
         if docker is not None:
             await asyncio.gather(
                 *(
-                    asyncio.to_thread(docker.stop, run.active_container, SHUTDOWN_STOP_GRACE_S)
+                    # Each stop in a thread of its own: a stop waits out its grace, and the
+                    # shared executor's few workers are every to_thread caller's.
+                    run_in_thread(
+                        docker.stop, run.active_container, SHUTDOWN_STOP_GRACE_S, name="job-stop"
+                    )
                     for run in runs
                     if run.active_container
                 ),
@@ -391,7 +395,7 @@ class JobService:
             run.cancel.set()
             docker = self._docker
             if run.active_container and docker is not None:
-                await asyncio.to_thread(docker.stop, run.active_container, 10)
+                await run_in_thread(docker.stop, run.active_container, 10, name="job-stop")
             if run.task is not None:
                 try:
                     await asyncio.wait_for(
@@ -403,6 +407,12 @@ class JobService:
                         job_id,
                         self.settings.job_cancel_wait_s,
                     )
+                    # Its end is recorded (and job_cancelled sent) now: the job is forgotten
+                    # below, and a task ending later finds nothing to finish.
+                    state = self.store.get(job_id)
+                    if state is not None and state.definition is not None:
+                        self.executor.finish(state.definition, run)
+                    run.task.cancel()
                 except Exception:
                     log.exception("job %s ended with an error while being cancelled", job_id)
         else:

@@ -201,7 +201,10 @@ def pump_container_output(
         for name, splitter in splitters.items():
             emit(name, splitter.flush())
         if log_file is not None:
-            log_file.close()
+            try:
+                log_file.close()
+            except OSError as exc:  # a full disk: what it kept is lost, the step is not
+                log.warning("step log %s could not be completed: %s", log_path, exc)
 
 
 def _redact(line: str, secrets: list[str]) -> str:

@@ -44,6 +44,7 @@ HF_HOME_IN_CONTAINER = "/workspace/.cache/huggingface"
 STDERR_SUMMARY_LINES = 20
 LOG_DRAIN_TIMEOUT_S = 5.0
 STOP_GRACE_S = 10
+SHUTDOWN_MESSAGE = "Host shut down while the job was running"
 
 
 @dataclass
@@ -301,12 +302,38 @@ class StepRunner:
             )
             await asyncio.to_thread(docker.start, container_id)
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started
-                await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
-            exit_code, timed_out = await self._wait(docker, job_id, container_id, limit)
+                await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
+            try:
+                exit_code, timed_out = await self._wait(docker, job_id, container_id, limit)
+            except Exception as err:  # the daemon went away (killed, restarted) mid-step
+                if run.cancel.is_set():
+                    return self._cancelled(job_id, step.name, index, started, None)
+                lost = f"the connection to the Docker daemon was lost: {err}"
+                return self._failed(
+                    job_id,
+                    step.name,
+                    index,
+                    started,
+                    None,
+                    summary=lost,
+                    job_message=f"Step '{step.name}' failed: {lost}",
+                )
             try:
                 await asyncio.wait_for(asyncio.shield(pump), LOG_DRAIN_TIMEOUT_S)
             except TimeoutError:
                 log.warning("job %s step %s: log stream did not end in time", job_id, step.name)
+            except Exception as err:  # the logs are incomplete; the step's outcome stands
+                log.warning("job %s step %s: step log incomplete: %s", job_id, step.name, err)
+            if run.shutdown:  # the host stopped it: the step failed, as its job does
+                return self._failed(
+                    job_id,
+                    step.name,
+                    index,
+                    started,
+                    exit_code,
+                    summary=SHUTDOWN_MESSAGE,
+                    job_message=SHUTDOWN_MESSAGE,
+                )
             if run.cancel.is_set():
                 return self._cancelled(job_id, step.name, index, started, exit_code)
             if exit_code == 0 and not timed_out:
@@ -374,7 +401,10 @@ class StepRunner:
                 limit.seconds,
                 limit.source,
             )
-            await asyncio.to_thread(docker.stop, container_id, STOP_GRACE_S)
+            # A thread of its own: the stop may wait out its whole grace (a step that ignores
+            # SIGTERM), and a shared executor worker held that long made every submit, ping
+            # and state write of the host wait behind it.
+            await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
             return await waiter, True
         finally:
             if not waiter.done():  # this task was cancelled (the host stopping)
