@@ -268,6 +268,8 @@ class StepRunner:
             "step_started", self._step_payload(job_id, step.name, index, "running", started)
         )
 
+        # The step's failure, with its exit code (None: no exit) and what to say.
+        fail = functools.partial(self._failed, job_id, step.name, index, started)
         spec = container_spec(self.settings, job, step, index)
         container_id: str | None = None
         try:
@@ -309,15 +311,7 @@ class StepRunner:
                 if run.cancel.is_set():
                     return self._cancelled(job_id, step.name, index, started, None)
                 lost = f"the connection to the Docker daemon was lost: {err}"
-                return self._failed(
-                    job_id,
-                    step.name,
-                    index,
-                    started,
-                    None,
-                    summary=lost,
-                    job_message=f"Step '{step.name}' failed: {lost}",
-                )
+                return fail(None, summary=lost, job_message=f"Step '{step.name}' failed: {lost}")
             try:
                 await asyncio.wait_for(asyncio.shield(pump), LOG_DRAIN_TIMEOUT_S)
             except TimeoutError:
@@ -325,15 +319,7 @@ class StepRunner:
             except Exception as err:  # the logs are incomplete; the step's outcome stands
                 log.warning("job %s step %s: step log incomplete: %s", job_id, step.name, err)
             if run.shutdown:  # the host stopped it: the step failed, as its job does
-                return self._failed(
-                    job_id,
-                    step.name,
-                    index,
-                    started,
-                    exit_code,
-                    summary=SHUTDOWN_MESSAGE,
-                    job_message=SHUTDOWN_MESSAGE,
-                )
+                return fail(exit_code, summary=SHUTDOWN_MESSAGE, job_message=SHUTDOWN_MESSAGE)
             if run.cancel.is_set():
                 return self._cancelled(job_id, step.name, index, started, exit_code)
             if exit_code == 0 and not timed_out:
@@ -358,21 +344,9 @@ class StepRunner:
                 )
                 message = f"{message} ({why})"
                 summary = f"{why}\n{summary}".rstrip("\n")
-            return self._failed(
-                job_id,
-                step.name,
-                index,
-                started,
-                exit_code,
-                summary=summary,
-                job_message=message,
-            )
+            return fail(exit_code, summary=summary, job_message=message)
         except ContainerStartError as err:
-            return self._failed(
-                job_id,
-                step.name,
-                index,
-                started,
+            return fail(
                 None,
                 summary=str(err),
                 job_message=f"Step '{step.name}' container start failed: {err}",
