@@ -292,7 +292,9 @@ def test_a_client_gone_while_sending_its_body_is_a_499_not_a_server_error(server
 def test_chats_that_cannot_fit_are_refused_before_they_are_templated(servers) -> None:
     """250,000 empty messages took 3 s of the event loop to template; 30 MB of text in a vision
     request a minute of tokenizing and 6 GB. Both are refused from their size alone."""
-    many = {"messages": [{"role": "user", "content": ""}] * 250_000, "max_tokens": 1}
+    # 100,000 (3.3 MB): templated, they held the loop over a second; parsing the body alone
+    # takes a tenth of that (250,000 would make the parse itself near a second on a busy CI).
+    many = {"messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 1}
     gaps, r = gaps_beside(servers["causal"], many, CHAT)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert max(gaps) < 1.0, max(gaps)
