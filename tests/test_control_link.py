@@ -1350,9 +1350,10 @@ async def test_pending_after_an_ack_takes_the_registration_back(tmp_path: Path) 
 async def test_a_report_past_controls_message_limit_is_named_in_the_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Past about 2,500 instances (here 3,000) the full list is over the 1 MB message limit that control's
-    Socket.IO server keeps by default: control dropped each report and the link with it, and
-    the host reconnected at the base delay for ever with nothing in its log to say why."""
+    """Past about 2,500 instances (here 3,000) the full list is over the 1 MB message limit
+    that control's Socket.IO server keeps by default: control dropped each report and the link
+    with it, and the host reconnected at the base delay for ever with nothing in its log to
+    say why."""
     async with ControlServer(known_keys={KEY: "h1"}) as server:
         host = make_host(tmp_path, server.url)
         instances = host.services["instances"]
