@@ -36,10 +36,6 @@ CACHE_VARS = (
     "FLASHINFER_WORKSPACE_BASE",
     "PROMETHEUS_MULTIPROC_DIR",
 )
-# Variables whose value is a directory the host grants the backend (confinement): given in a
-# config, they must be absolute paths.
-PATH_VARS = frozenset({*CACHE_VARS, "HOME"})
-
 # Variables a caller may never set through `extra_env`: they change what code the backend
 # loads (a way to run arbitrary code as the host user) or how Python starts.
 LOADER_ENV_VARS = frozenset(

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from solar_host.backends.base import LOADER_ENV_VARS, PATH_VARS, BackendConfigBase
+from solar_host.backends.base import LOADER_ENV_VARS, BackendConfigBase
 
 # Flags the host sets itself. extra_args come last on the command line and argparse keeps the
 # last value it sees, so letting a caller repeat one of these would override the host's value.
@@ -202,10 +201,6 @@ class SglangConfig(BackendConfigBase):
             reason = loader_env_reason(name)
             if reason:
                 raise ValueError(reason)
-            if name in PATH_VARS and not os.path.isabs(value):
-                # The host grants it to the backend as a path: a relative one would be read
-                # against the host's own working directory (its state: config.json, keys).
-                raise ValueError(f"extra_env '{name}' must be an absolute path, not {value!r}")
             out[name] = value
         return out or None
 
