@@ -881,3 +881,41 @@ def test_a_port_taken_while_the_model_loads_is_refused_loudly(
     finally:
         rival.close()
         stop([s])
+
+
+def test_half_precision_embeddings_are_pooled_in_float32(
+    tiny_hf_models: TinyHFModels,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A float16 model (the default on a GPU) pools its hidden states in float32: a float16 sum
+    over a long input overflows to inf past 65504 and keeps three significant digits below.
+    Hidden states of magnitude ~1000 (the last LayerNorm scaled up) over 128 tokens sum past
+    float16's range; the vectors must stay finite and equal the float32 mean of those states."""
+    import types
+
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from solar_host.servers.hf_runtime import LoadOptions, load_engine
+
+    loud = tmp_path / "loud-bert"
+    model = AutoModel.from_pretrained(tiny_hf_models.encoder)
+    with torch.no_grad():
+        model.encoder.layer[-1].output.LayerNorm.weight.mul_(1000)
+    model.save_pretrained(loud)
+    AutoTokenizer.from_pretrained(tiny_hf_models.encoder).save_pretrained(loud)
+
+    opts = LoadOptions(str(loud), "embedding", device="cpu", dtype="float16", max_length=512)
+    engine, _ = load_engine(opts)
+    text = " ".join(f"word{i}" for i in range(400))  # cut to the model's 128 positions
+    [(vecs, n)] = engine.embed_batch(
+        [types.SimpleNamespace(texts=[text], truncate=True, dimensions=None)]
+    )
+    ids = engine._truncate(engine.tok([text])["input_ids"][0])
+    assert n == len(ids) == 128
+    with torch.inference_mode():
+        hidden = engine.model(input_ids=torch.tensor([ids])).last_hidden_state
+    assert hidden.dtype == torch.float16
+    assert float(hidden.float().sum(1).abs().max()) > 65504  # a float16 sum would be inf
+    assert np.isfinite(vecs).all()
+    np.testing.assert_allclose(vecs[0], hidden.float().mean(1)[0].numpy(), rtol=1e-6)

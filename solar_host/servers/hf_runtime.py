@@ -300,7 +300,9 @@ class EmbeddingEngine(TextEncoderBase):
         self.normalize = opts.normalize_embeddings
 
     def _pool(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=x, attention_mask=m).last_hidden_state
+        # Pooled in float32 whatever the model's dtype: a float16 sum over hundreds of tokens
+        # keeps about three significant digits (and overflows past 65504).
+        hidden = self.model(input_ids=x, attention_mask=m).last_hidden_state.float()
         mask = m.unsqueeze(-1).to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
