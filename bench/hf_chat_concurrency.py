@@ -270,8 +270,10 @@ def main() -> None:
             servers[name] = (proc, url, log)
         try:
             wait_ready(list(servers.values()))
-            for _proc, url, _log in servers.values():  # warm-up
-                run_client(url, 2, 1.0, args.max_tokens, "equal")
+            # Warm-up at the largest client count: a GPU meets each new batch shape once
+            # (kernel choice, allocator growth), and those first steps belong to no phase.
+            for _proc, url, _log in servers.values():
+                run_client(url, max(counts), 2.0, args.max_tokens, "mixed")
             rounds: list[dict[tuple[str, str, int], dict]] = []
             for r in range(args.rounds):
                 # Alternate which server goes first, so neither always follows the other.
