@@ -84,7 +84,7 @@ def check_api_key(settings: Settings) -> Check:
             False,
             f"{where} has {len(key)} characters",
             f"use at least {MIN_KEY_LENGTH} random characters, e.g. "
-            "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            "python -c 'import secrets; print(secrets.token_hex(32))'",
         )
     return Check("api key", True, f"set ({where}, {len(key)} characters)")
 

@@ -46,7 +46,9 @@ def cfg(**kw) -> SglangConfig:
 
 
 def value_after(argv: list[str], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
+    """The value of `flag`, given as `--flag value` or `--flag=value`."""
+    joined = [a.split("=", 1)[1] for a in argv if a.startswith(flag + "=")]
+    return joined[0] if joined else argv[argv.index(flag) + 1]
 
 
 # --- Command line --------------------------------------------------------------------------------
@@ -127,8 +129,8 @@ def test_missing_model_path_is_a_launch_error(venv: Path) -> None:
 def test_omitted_knobs_add_no_flags_and_booleans_are_bare(venv: Path) -> None:
     argv = BACKEND.launch(cfg(), ctx(venv)).argv
     assert argv[2:] == [
-        "--config", KEY_FILE, "--model-path", "/models/test", "--served-model-name", "test",
-        "--host", "0.0.0.0", "--port", "8080", "--enable-metrics",
+        "--config", KEY_FILE, "--model-path", "/models/test", "--served-model-name=test",
+        "--host=0.0.0.0", "--port", "8080", "--enable-metrics",
     ]  # fmt: skip
     argv = BACKEND.launch(
         cfg(trust_remote_code=True, enable_hierarchical_cache=True), ctx(venv)
@@ -166,18 +168,18 @@ FULL = dict(
 
 def test_full_config_maps_flag_for_flag(venv: Path, tmp_path: Path) -> None:
     spec = BACKEND.launch(cfg(**FULL), ctx(venv, sglang_prompt_cache_dir=str(tmp_path / "cache")))
-    assert spec.argv[12:] == [
-        "--tp-size", "8", "--dp-size", "2", "--context-length", "131072",
-        "--mem-fraction-static", "0.85", "--chunked-prefill-size", "4096",
-        "--max-running-requests", "64", "--cuda-graph-max-bs", "32",
-        "--cuda-graph-max-bs-decode", "16", "--swa-full-tokens-ratio", "0.5",
-        "--dtype", "bfloat16", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
-        "--moe-runner-backend", "flashinfer_trtllm", "--speculative-algorithm", "EAGLE",
-        "--hicache-ratio", "30.0", "--hicache-mem-layout", "page_first",
-        "--hicache-io-backend", "kernel", "--trust-remote-code", "--enable-hierarchical-cache",
-        "--hicache-storage-backend", "file",
-        "--hicache-storage-backend-extra-config", '{"max_size":"256G"}',
-        "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics",
+    assert spec.argv[10:] == [
+        "--tp-size=8", "--dp-size=2", "--context-length=131072",
+        "--mem-fraction-static=0.85", "--chunked-prefill-size=4096",
+        "--max-running-requests=64", "--cuda-graph-max-bs=32",
+        "--cuda-graph-max-bs-decode=16", "--swa-full-tokens-ratio=0.5",
+        "--dtype=bfloat16", "--quantization=fp8", "--kv-cache-dtype=fp8_e4m3",
+        "--moe-runner-backend=flashinfer_trtllm", "--speculative-algorithm=EAGLE",
+        "--hicache-ratio=30.0", "--hicache-mem-layout=page_first",
+        "--hicache-io-backend=kernel", "--trust-remote-code", "--enable-hierarchical-cache",
+        "--hicache-storage-backend=file",
+        '--hicache-storage-backend-extra-config={"max_size":"256G"}',
+        "--hicache-storage-prefetch-policy=wait_complete", "--enable-metrics",
     ]  # fmt: skip
     assert spec.warnings == []
     assert spec.env[CACHE_DIR_ENV] == str(tmp_path / "cache" / "test-inst-1")
@@ -196,11 +198,32 @@ def test_storage_flags_dropped_with_a_warning_without_cache_root(venv: Path) -> 
 
 def test_extra_args_come_last_and_may_repeat_knobs(venv: Path) -> None:
     argv = BACKEND.launch(cfg(tp_size=2, extra_args=["--tp-size", "4"]), ctx(venv)).argv
-    assert argv.count("--tp-size") == 2
+    assert "--tp-size=2" in argv  # the typed knob, then the caller's own, which argparse keeps
     assert argv[-2:] == ["--tp-size", "4"]
     assert argv.count("--enable-metrics") == 1
     argv = BACKEND.launch(cfg(extra_args=["--schedule-policy"]), ctx(venv)).argv
     assert argv[-2:] == ["--enable-metrics", "--schedule-policy"]
+
+
+def test_caller_text_starting_with_a_dash_stays_a_value(venv: Path) -> None:
+    """argparse reads a separate argument starting with '-' as an option: an alias '-x' or a
+    dtype '-1' given as `--flag value` would end SGLang with 'expected one argument'."""
+    import argparse
+
+    argv = BACKEND.launch(cfg(alias="-dash", dtype="-odd"), ctx(venv)).argv
+    p = argparse.ArgumentParser()
+    for flag in ("--config", "--model-path", "--served-model-name", "--host", "--dtype"):
+        p.add_argument(flag)
+    p.add_argument("--port", type=int)
+    p.add_argument("--enable-metrics", action="store_true")
+    ns = p.parse_args(argv[2:])
+    assert (ns.served_model_name, ns.dtype) == ("-dash", "-odd")
+
+
+def test_a_host_key_starting_with_a_dash_is_refused_with_the_way_out(venv: Path) -> None:
+    # SGLang's config merger hands the file's key to argparse as `--api-key <key>`.
+    with pytest.raises(LaunchError, match=r"starts with '-'.*token_hex"):
+        BACKEND.launch(cfg(), ctx(venv, host_api_key="-Zk3"))
 
 
 def test_instance_api_key_is_not_applied_and_says_so(venv: Path) -> None:

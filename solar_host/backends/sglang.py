@@ -72,6 +72,12 @@ def _flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def _joined(flag: str, value: object) -> str:
+    """`--flag=value`, one argument: argparse reads a separate value that starts with '-' (an
+    alias '-x', a host '-h') as an option and exits, so caller text never stands alone."""
+    return f"{flag}={value}"
+
+
 def _is_exe(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
@@ -400,6 +406,14 @@ class SglangBackend:
         # `api-key` into its arguments in memory (server_args_config_parser).
         if ctx.private_dir is None:
             raise LaunchError("SGLang needs a private directory for its key file")
+        if ctx.host_api_key.startswith("-"):
+            # SGLang turns the file's `api-key` into `--api-key <key>` for argparse, which
+            # reads a key starting with '-' as an option and exits.
+            raise LaunchError(
+                "SGLang cannot take an API key that starts with '-': change the host's API_KEY "
+                "(for example to the output of python -c 'import secrets; "
+                "print(secrets.token_hex(32))')"
+            )
         key_file = ctx.private_dir / f"sglang-{ctx.instance_id}.yaml"
         argv = [
             *prefix,
@@ -407,10 +421,8 @@ class SglangBackend:
             str(key_file),
             "--model-path",
             config.model_path,
-            "--served-model-name",
-            served_name_of(config.alias),
-            "--host",
-            config.host,
+            _joined("--served-model-name", served_name_of(config.alias)),
+            _joined("--host", config.host),
             "--port",
             str(ctx.port),
         ]
@@ -422,7 +434,7 @@ class SglangBackend:
         for name in _VALUE_FLAGS:
             value = getattr(config, name)
             if value is not None:
-                argv += [_flag(name), str(value)]
+                argv.append(_joined(_flag(name), value))
         argv += [_flag(name) for name in _BOOL_FLAGS if getattr(config, name)]
         env: dict[str, str] = dict(config.extra_env or {})
         try:
@@ -434,7 +446,7 @@ class SglangBackend:
         storage = [(n, getattr(config, n)) for n in _STORAGE_FLAGS if getattr(config, n)]
         if cache_dir is not None:
             for name, value in storage:
-                argv += [_flag(name), str(value)]
+                argv.append(_joined(_flag(name), value))
             env[CACHE_DIR_ENV] = str(cache_dir)
         elif storage:
             dropped = ", ".join(_flag(n) for n, _ in storage)
