@@ -582,6 +582,21 @@ def test_extra_env_is_passed(venv: Path) -> None:
         "GCONV_PATH",
         "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
         "PYTHONUNBUFFERED",
+        # Each makes the process load or run code named by a path (a pulled file, say).
+        "OPENSSL_CONF",
+        "openssl_modules",
+        "CUDA_INJECTION64_PATH",
+        "NCCL_NET_PLUGIN",
+        "NCCL_TUNER_PLUGIN",
+        "OMP_TOOL_LIBRARIES",
+        "VK_ADD_LAYER_PATH",
+        "PYTHONWARNINGS",
+        "HOME",
+        "TRITON_PTXAS_PATH",
+        "TRITON_CACHE_DIR",
+        "TORCH_EXTENSIONS_DIR",
+        "HF_MODULES_CACHE",
+        "CC",
     ],
 )
 def test_extra_env_may_not_touch_loader_or_managed_variables(name: str) -> None:
@@ -589,6 +604,13 @@ def test_extra_env_may_not_touch_loader_or_managed_variables(name: str) -> None:
         cfg(extra_env={name: "x"})
     assert err.value.errors()[0]["loc"] == ("extra_env",)
     assert f"'{name}'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["NCCL_DEBUG", "PYTHONHASHSEED", "SGLANG_LOG_LEVEL", "CUDA_LAUNCH_BLOCKING", "HF_HOME"]
+)
+def test_extra_env_keeps_what_only_tunes_the_backend(name: str) -> None:
+    assert cfg(extra_env={name: "1"}).extra_env == {name: "1"}
 
 
 @pytest.mark.parametrize("name", ["A=B", "1ABC", "A B", "", "  "])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from typing import Any, Literal
@@ -34,16 +35,50 @@ MANAGED_ENV_VARS = frozenset(
         "PYTHONUNBUFFERED",
     }
 )
-# Loader-like variables beyond base.LOADER_ENV_VARS: every dynamic-loader knob, glibc's gconv
-# module path, and Python variables that make the interpreter load code from elsewhere.
-_LOADER_ENV_PREFIXES = ("LD_", "DYLD_")
-_MORE_LOADER_ENV_VARS = frozenset(
+# Variables beyond base.LOADER_ENV_VARS that make SGLang's process load or run code named by a
+# path, and a caller can put files under the model roots (a pull): shell patterns, matched on
+# the upper-cased name. A list of what is known, not a proof: the backend's Landlock confinement
+# is what bounds the rest.
+_LOADER_ENV_PATTERNS = (
+    "LD_*",  # every dynamic-loader knob
+    "DYLD_*",
+    "GCONV_PATH",  # glibc's character-set modules
+    "PYTHON*",  # PYTHONWARNINGS imports the module of a category; see _PYTHON_ENV_ALLOWED
+    "HOME",  # Python's user site-packages (~/.local) and their .pth files
+    "OPENSSL_CONF",  # an OpenSSL config loads providers and engines (ssl, hashlib)
+    "OPENSSL_MODULES",
+    "OPENSSL_ENGINES",
+    "CUDA_INJECTION*",  # the CUDA driver loads this library into the process
+    "NCCL_*PLUGIN*",  # NCCL's net, tuner and profiler plugins
+    "OMP_TOOL*",  # OpenMP tool libraries
+    "KMP_*LIB*",
+    "VK_*",  # Vulkan layers and drivers
+    "HSA_TOOLS_LIB",
+    "OCL_ICD_*",
+    "TRITON_*PATH",  # ptxas, cuobjdump, libcuda: programs and libraries Triton runs
+    "TRITON_CACHE_DIR",  # compiled kernels, loaded as they are found
+    "TRITON_HOME",
+    "TRITON_OVERRIDE_DIR",
+    "TORCH_EXTENSIONS_DIR",  # built extensions, imported from there
+    "TORCHINDUCTOR_CACHE_DIR",
+    "HF_MODULES_CACHE",  # remote-code modules
+    "CC",  # compilers Triton and torch invoke
+    "CXX",
+    "NVCC*",
+    "CUDA_HOME",
+    "CUDA_PATH",
+    "NODE_OPTIONS",
+)
+# Python variables that change only how the interpreter behaves, not what it loads.
+_PYTHON_ENV_ALLOWED = frozenset(
     {
-        "GCONV_PATH",
-        "PYTHONPLATLIBDIR",
-        "PYTHONPYCACHEPREFIX",
-        "PYTHONBREAKPOINT",
-        "PYTHONEXECUTABLE",
+        "PYTHONHASHSEED",
+        "PYTHONIOENCODING",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONFAULTHANDLER",
+        "PYTHONUTF8",
+        "PYTHONNOUSERSITE",
+        "PYTHONMALLOC",
     }
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -84,14 +119,13 @@ def managed_flag_of(arg: str) -> str | None:
 def loader_env_reason(name: str) -> str | None:
     """Why `name` may not be set through extra_env, or None when it may."""
     upper = name.upper()
-    if (
-        upper in LOADER_ENV_VARS
-        or upper in _MORE_LOADER_ENV_VARS
-        or upper.startswith(_LOADER_ENV_PREFIXES)
-    ):
-        return f"extra_env must not set '{name}': it changes what code the backend loads"
     if upper in MANAGED_ENV_VARS:
         return f"extra_env must not set '{name}': it is managed by solar-host"
+    loads_code = upper in LOADER_ENV_VARS or any(
+        fnmatch.fnmatchcase(upper, p) for p in _LOADER_ENV_PATTERNS
+    )
+    if loads_code and upper not in _PYTHON_ENV_ALLOWED:
+        return f"extra_env must not set '{name}': it changes what code the backend loads"
     return None
 
 
