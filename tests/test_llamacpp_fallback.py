@@ -72,6 +72,28 @@ def test_resolution_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @needs_xllamacpp
+def test_what_is_advertised_is_an_absolute_path_never_the_working_directory(
+    tmp_path: Path, bare_path: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backends run in MODELS_DIR: a relative LLAMA_SERVER_BIN is anchored where the operator
+    typed it (the host's working directory), and a bare name is looked up on PATH only, so a
+    stray ./llama-server beside the host hides neither the fallback nor the error."""
+    exe = tmp_path / "bin" / "llama-server"
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    stray = tmp_path / "llama-server"
+    stray.write_text("#!/bin/sh\nexit 0\n")
+    stray.chmod(stray.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.chdir(tmp_path)
+    found = llamacpp_exec.resolve("./bin/llama-server")
+    assert found.argv == (str(exe),) and found.uses == str(exe)
+    assert llamacpp_exec.resolve("llama-server").kind == "xllamacpp"
+    monkeypatch.setenv("PATH", f".:{BARE_PATH}")  # a relative PATH entry resolves absolute too
+    assert llamacpp_exec.resolve("llama-server").argv == (str(stray),)
+
+
+@needs_xllamacpp
 def test_xllamacpp_is_the_fallback(bare_path: None) -> None:
     for setting in ("llama-server", "", "  "):
         found = llamacpp_exec.resolve(setting)

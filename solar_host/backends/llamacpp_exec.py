@@ -39,12 +39,15 @@ class LlamaServer:
 
 
 def _executable(name: str) -> str | None:
+    """The absolute path of `name`: a path (relative ones from the host's working directory,
+    where the operator typed it), or a bare name looked up on PATH only. Absolute, because
+    backends run in MODELS_DIR: a relative answer would name another file there, and a bare
+    name found in the working directory would hide the fallback with a program never run."""
+    if os.sep in name:
+        path = os.path.abspath(os.path.expanduser(name))
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
     found = shutil.which(name)
-    if found:
-        return found
-    if os.path.isfile(name) and os.access(name, os.X_OK):
-        return name
-    return None
+    return os.path.abspath(found) if found else None
 
 
 def xserver_script() -> Path:
