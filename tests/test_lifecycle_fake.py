@@ -344,3 +344,138 @@ async def test_a_restart_that_finds_everything_as_recorded_does_not_rewrite_conf
     assert (
         rewritten["instances"][0]["instance"]["config"] == doc["instances"][0]["instance"]["config"]
     )
+
+
+WRAP_TRANSIENT = """#!/bin/sh
+# $1: a count file. Run 1 serves and crashes after 0.5 s; runs 2 to 4 fail at load (a port or
+# GPU memory the crashed process still held); from run 5 on it serves.
+C="$1"; shift
+n=$(( $(cat "$C" 2>/dev/null || echo 0) + 1 )); echo $n > "$C"
+echo "wrapper run $n at $(date +%s.%N)"
+if [ $n -eq 1 ]; then exec "$@" --exit-after 0.5 --exit-code 7; fi
+if [ $n -le 4 ]; then echo "load failed: device busy"; exit 1; fi
+exec "$@"
+"""
+
+
+async def test_a_crash_restart_that_meets_a_passing_failure_keeps_trying(tmp_path: Path) -> None:
+    """After one crash, the restart's attempts fail for a moment: they are spaced by the
+    doubling backoff, and a restart that fails altogether counts as one more crash of the loop,
+    so the host tries again rather than leaving the instance failed after a single crash."""
+    wrap = tmp_path / "wrap.sh"
+    wrap.write_text(WRAP_TRANSIENT)
+    count = tmp_path / "count"
+    s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=5, max_retries=1)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, fake_wrapper=["/bin/sh", str(wrap), str(count)]))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        sup = h.instances.supervisor(iid)
+        for _ in range(400):  # 20 s at most
+            await asyncio.sleep(0.05)
+            if sup.counters["starts"] >= 2:
+                break
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "running", (inst, sup.counters, count.read_text())
+        assert count.read_text().strip() == "5"
+        # Two restarts (the first one's two attempts failed, the second's first one too).
+        assert sup.counters["restarts"] == 2 and sup.counters["start_failures"] == 1
+        logs = (await h.client.get(f"/instances/{iid}/logs")).json()
+        runs = [float(e["line"].split(" at ")[1]) for e in logs if "wrapper run" in e["line"]]
+        assert len(runs) == 5
+        # Attempts 2 and 3 (one restart) are at least the first backoff apart, not back to back.
+        assert runs[2] - runs[1] >= 0.05
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_a_start_after_a_crash_loop_gets_the_whole_restart_budget(tmp_path: Path) -> None:
+    s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=2)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", "--exit-code", "3"))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        sup = h.instances.supervisor(iid)
+
+        async def crash_looped() -> None:
+            for _ in range(200):
+                inst = (await h.client.get(f"/instances/{iid}")).json()
+                if inst["status"] == "failed" and "not restarting" in (inst["error_message"] or ""):
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(inst)
+
+        await crash_looped()
+        assert sup.counters["restarts"] == 1
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        await crash_looped()
+        # The operator's start began a new loop: its first crash was restarted again.
+        assert sup.counters["restarts"] == 2, sup.counters
+
+
+async def test_a_failed_start_is_counted_once_whatever_its_attempts(tmp_path: Path) -> None:
+    """solar_host_instance_start_failures_total: "Starts that failed after all attempts"."""
+    s = host_settings(tmp_path, restart_backoff_s=0.01, max_retries=2)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0", "--exit-code", "1"))
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 500, r.text
+        sup = h.instances.supervisor(iid)
+        assert sup.instance.retry_count == 3  # three attempts
+        assert sup.counters["start_failures"] == 1 and sup.counters["starts"] == 0
+
+
+async def test_a_host_restart_leaves_failures_to_their_owners(tmp_path: Path) -> None:
+    """Ruling 6: an intent-managed instance that crashed waits for control; a crash loop stays
+    failed. A graceful host restart must not start either again; an instance that was running
+    is started again."""
+    s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=2)
+
+    async def status_of(h, iid: str, want: str) -> dict:
+        for _ in range(200):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == want and (want != "failed" or inst["error_message"]):
+                return inst
+            await asyncio.sleep(0.05)
+        raise AssertionError(inst)
+
+    async with running_host(s, backends=registry()) as h:
+        intent = await create(
+            h, cfg(tmp_path, alias="intent"), managed_by="intent", intent_id="i-1"
+        )
+        looper = await create(h, cfg(tmp_path, "--exit-after", "0.3", alias="looper"))
+        steady = await create(h, cfg(tmp_path, alias="steady"))
+        pid = (await h.client.post(f"/instances/{intent}/start")).json()["instance"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        await status_of(h, intent, "failed")
+        await h.client.post(f"/instances/{looper}/start")
+        for _ in range(200):
+            inst = (await h.client.get(f"/instances/{looper}")).json()
+            if "not restarting" in (inst["error_message"] or ""):
+                break
+            await asyncio.sleep(0.05)
+        assert (await h.client.post(f"/instances/{steady}/start")).status_code == 200
+    async with running_host(s, backends=registry()) as h:
+        await status_of(h, steady, "running")
+        for iid in (intent, looper):
+            inst = await status_of(h, iid, "failed")
+            assert inst["pid"] is None
+            assert h.instances.supervisor(iid).counters["starts"] == 0
+        await h.client.post(f"/instances/{steady}/stop")
+
+
+async def test_stopped_instances_past_the_retained_buffers_are_read_from_their_files(
+    tmp_path: Path,
+) -> None:
+    s = host_settings(tmp_path, retained_log_buffers=1)
+    async with running_host(s, backends=registry()) as h:
+        first = await create(h, cfg(tmp_path, alias="first"))
+        second = await create(h, cfg(tmp_path, alias="second"))
+        buffered = {}
+        for iid in (first, second):
+            assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+            await h.client.post(f"/instances/{iid}/stop")
+            buffered[iid] = [
+                e["line"] for e in (await h.client.get(f"/instances/{iid}/logs")).json()
+            ]
+        sups = [h.instances.supervisor(i) for i in (first, second)]
+        assert not sups[0].ring.entries and sups[1].ring.entries  # only one buffer retained
+        lines = [e["line"] for e in (await h.client.get(f"/instances/{first}/logs")).json()]
+        assert lines == buffered[first] and lines  # the same lines, from its log file

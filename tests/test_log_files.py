@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from solar_host.instances.logs import (
+    IdleLogBuffers,
     LogRing,
     files_of,
     new_log_path,
@@ -70,3 +71,42 @@ def test_ring_reports_a_gap_to_a_reader_that_fell_behind() -> None:
     assert gap == 0 and [e.seq for e in entries] == [2, 3, 4]
     gap, entries = ring.since(4)
     assert gap is None and [e.line for e in entries] == ["l4"]
+
+
+async def test_a_stream_waiting_on_the_ring_sees_lines_after_an_adoption_rebases_it() -> None:
+    """A log stream opened right after a host restart waits on the instance's ring before the
+    adoption has re-read the backend's log file. The adoption rebases that ring (the same
+    object) rather than replacing it, so the waiting stream wakes for the re-read lines and
+    every later one."""
+    ring = LogRing(8)
+    ring.append_many(["old"], "t0")
+    woken = ring.changed()
+    ring.rebase(1000)
+    assert ring.first_seq == 1000 and list(ring.entries) == []
+    ring.append_many(["re-read 1", "re-read 2"], "t1")
+    assert woken.is_set()
+    gap, entries = ring.since(1)
+    assert gap == 1 and [e.seq for e in entries] == [1000, 1001]
+    later = ring.changed()
+    ring.append_many(["new"], "t2")
+    assert later.is_set() and ring.tail(1)[0].seq == 1002
+
+
+def test_only_the_newest_stopped_instances_keep_their_log_buffers() -> None:
+    """RETAINED_LOG_BUFFERS: past the limit, the buffer stopped longest ago is emptied (its
+    seqs go on where they were); a buffer in use again leaves the retained set."""
+    idle = IdleLogBuffers(2)
+    rings = {name: LogRing(8) for name in "abc"}
+    for name, ring in rings.items():
+        ring.append_many([f"{name}1", f"{name}2"], "t")
+        idle.idle(name, ring)
+    assert list(rings["a"].entries) == [] and rings["a"].next_seq == 2
+    assert len(rings["b"].entries) == 2 and len(rings["c"].entries) == 2
+    idle.busy("b")  # started again
+    idle.idle("a", rings["a"])
+    assert len(idle) == 2 and len(rings["b"].entries) == 2 and len(rings["c"].entries) == 2
+    idle.idle("d", LogRing(8))
+    assert list(rings["c"].entries) == []  # the oldest idle one now
+    idle0 = IdleLogBuffers(0)
+    idle0.idle("a", rings["b"])
+    assert list(rings["b"].entries) == []

@@ -48,11 +48,20 @@ class StartFailed(InstanceError):
 
     status = 500
 
-    def __init__(self, instance_id: str, reason: str, exit_code: int | None, log_tail: list[str]):
+    def __init__(
+        self,
+        instance_id: str,
+        reason: str,
+        exit_code: int | None,
+        log_tail: list[str],
+        *,
+        retryable: bool = True,
+    ):
         self.instance_id = instance_id
         self.reason = reason
         self.exit_code = exit_code
         self.log_tail = log_tail
+        self.retryable = retryable  # False: the config cannot start (trying again won't help)
         super().__init__(f"Failed to start instance: {reason}")
 
     def body(self) -> dict[str, Any]:

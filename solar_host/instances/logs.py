@@ -17,7 +17,7 @@ import logging
 import os
 import struct
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -63,6 +63,12 @@ class LogRing:
         self.notify()
         return out
 
+    def rebase(self, next_seq: int) -> None:
+        """Empty the ring and continue from `next_seq` (an adopted backend's log, re-read).
+        The same ring, not a new one: a stream already waiting on it sees what comes next."""
+        self.entries.clear()
+        self.next_seq = next_seq
+
     def notify(self) -> None:
         if self._changed is not None:
             self._changed.set()
@@ -93,6 +99,32 @@ class LogRing:
         if n <= 0:
             return []
         return list(itertools.islice(self.entries, max(0, len(self.entries) - n), None))
+
+
+class IdleLogBuffers:
+    """The RETAINED_LOG_BUFFERS most recently stopped instances keep their in-memory log
+    buffer; an older one is emptied (its lines stay in its log file, which GET logs reads
+    then). Without this, every instance ever stopped held LOG_BUFFER_SIZE lines for the life
+    of the host."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._rings: OrderedDict[str, LogRing] = OrderedDict()
+
+    def idle(self, instance_id: str, ring: LogRing) -> None:
+        """`instance_id`'s backend is gone: its buffer joins the retained ones, newest last."""
+        self._rings.pop(instance_id, None)
+        self._rings[instance_id] = ring
+        while len(self._rings) > self.limit:
+            _, oldest = self._rings.popitem(last=False)
+            oldest.rebase(oldest.next_seq)  # seqs go on from where they were
+
+    def busy(self, instance_id: str) -> None:
+        """Its buffer is in use again (a start), or the instance is gone (a delete)."""
+        self._rings.pop(instance_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rings)
 
 
 # --- inotify ---------------------------------------------------------------------------------

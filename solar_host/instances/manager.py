@@ -31,6 +31,7 @@ from solar_host.instances.errors import (
 )
 from solar_host.instances.httpcheck import ProbePacer
 from solar_host.instances.logs import (
+    IdleLogBuffers,
     InotifyHub,
     file_mtime_iso,
     files_of,
@@ -73,6 +74,7 @@ class InstanceManager:
         self.api_key = api_key
         self.store = InstanceStore(settings.config_file, settings.models_dir)
         self.supervisors: dict[str, Supervisor] = {}
+        self.idle_logs = IdleLogBuffers(settings.retained_log_buffers)
         self.roles = list(DEFAULT_ROLES)
         self.ports = PortAllocator(settings.start_port, self._held_ports)
         self.probe_pacer = ProbePacer()  # readiness probes of every starting backend
@@ -171,7 +173,9 @@ class InstanceManager:
                 inst.pid = None
                 inst.port = None
                 self.changed(sup.id, S.STOPPED.value, "boot")
-            if sup.stored.want_running and inst.status in (S.STOPPED, S.FAILED):
+            # Not a failed one: a failure is left for its owner (the operator, or control for
+            # an intent-managed instance); a shutdown records as stopped what it interrupted.
+            if sup.stored.want_running and inst.status == S.STOPPED:
                 to_start.append(sup)
         # Written when re-adoption or the load changed anything (an older format, a backend
         # gone); a restart that finds everything as recorded writes nothing (store.on_disk).
@@ -608,6 +612,7 @@ class InstanceManager:
             if starting or sup.instance.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot delete a running instance. Stop it first.")
             self.supervisors.pop(instance_id, None)
+            self.idle_logs.busy(instance_id)
             self.changed(instance_id, None, "deleted")
             try:
                 await self.persist_or_raise()

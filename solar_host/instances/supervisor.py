@@ -142,6 +142,9 @@ class Supervisor:
                 if self.restart_task is not None:
                     self.restart_task.cancel()
                     self.restart_task = None
+                # Someone asked for this start: the crash loop before it is over, and a crash
+                # after it gets the whole restart budget again (as supervisord's start does).
+                self.crashes.clear()
                 self.start_task = asyncio.create_task(self._start(), name=f"start:{self.id}")
             task = self.start_task
         try:
@@ -180,7 +183,6 @@ class Supervisor:
                     await self._attempt(attempt, min(settings.instance_ready_timeout_s, remaining))
                 except AttemptFailed as err:
                     last = err
-                    self.counters["start_failures"] += 1
                     log.warning(
                         "start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason
                     )
@@ -196,6 +198,15 @@ class Supervisor:
                     await self.m.persist()
                     if not err.retryable:
                         break
+                    # What failed now often clears in a moment (a port or GPU memory that the
+                    # crashed process still held): pause before the next attempt, doubling.
+                    pause = min(
+                        settings.restart_backoff_s * 2**attempt,
+                        settings.restart_backoff_max_s,
+                        max(deadline - time.monotonic(), 0.0),
+                    )
+                    if attempt + 1 < attempts and pause > 0:
+                        await asyncio.sleep(pause)
                     continue
                 self.counters["starts"] += 1
                 self.m.bus.publish(InstanceStartFinished(self.id, True, restart))
@@ -209,7 +220,14 @@ class Supervisor:
                 self.set_status(S.FAILED, reason="start_failed", error_message=reason)
                 await self.m.persist()
             self.m.bus.publish(InstanceStartFinished(self.id, False, restart))
-            raise StartFailed(self.id, reason, last.exit_code if last else None, self._tail())
+            self.counters["start_failures"] += 1
+            raise StartFailed(
+                self.id,
+                reason,
+                last.exit_code if last else None,
+                self._tail(),
+                retryable=last.retryable if last else True,
+            )
         finally:
             end_start(self)
             instance_id_var.reset(token)
@@ -223,6 +241,7 @@ class Supervisor:
 
     async def _attempt(self, attempt: int, timeout: float) -> None:
         settings = self.m.settings
+        self.m.idle_logs.busy(self.id)
         inst = self.instance
         config = inst.config
         backend = self.backend()
@@ -586,8 +605,15 @@ class Supervisor:
             task = self.start_task
             self.restart_task = None
         # InstanceConflict: the fit check refused the restart (logged by the capacity gate).
-        with contextlib.suppress(StartFailed, InstanceConflict, asyncio.CancelledError):
+        try:
             await task
+        except StartFailed as err:
+            # A restart that could not bring it back is one more crash of the loop: the next
+            # try comes after the next backoff, until RESTART_MAX_IN_WINDOW, rather than never.
+            if err.retryable:
+                self._schedule_restart()
+        except (InstanceConflict, asyncio.CancelledError):
+            pass
 
     async def _poll_metrics(self, path: str) -> None:
         from solar_host.backends.prometheus import parse_prometheus_text
@@ -642,6 +668,7 @@ class Supervisor:
                 # A stop the next boot would undo (it starts what config.json says is wanted)
                 # is refused with 507, and the backend keeps serving.
                 await self._record_intent(False)
+            restart_pending = self.restart_task is not None and not self.restart_task.done()
             self._cancel(self.restart_task)
             self.restart_task = None
             task = self.start_task
@@ -652,6 +679,11 @@ class Supervisor:
             self._cancel(self._adopt_task)
             if self.status == S.STOPPED:
                 await self.m.persist()  # the intent, if it changed (same bytes: no write)
+                return self.instance
+            if self.status == S.FAILED and not forget_intent and not restart_pending:
+                # A host shutdown keeps a failure as it is: the next boot starts what was
+                # running or about to be restarted, never what the host or control gave up on
+                # (a crash loop, an intent-managed crash, a start that failed).
                 return self.instance
             if self.status == S.FAILED:
                 self.set_status(
@@ -696,6 +728,7 @@ class Supervisor:
         await self._stop_follower()
 
     def _after_stop_hook(self) -> None:
+        self.m.idle_logs.idle(self.id, self.ring)
         backend = self.backend()
         hook = getattr(backend, "after_stop", None)
         if hook is not None:
@@ -930,9 +963,7 @@ class Supervisor:
             # Continue the log where it is: seq = the attempt's base + lines already in the file.
             lines, size = await asyncio.to_thread(count_lines, log_path)
             tail = await asyncio.to_thread(tail_lines, log_path, self.m.settings.log_buffer_size)
-            self.ring = LogRing(
-                self.m.settings.log_buffer_size, next_seq=rec.seq_base + lines - len(tail)
-            )
+            self.ring.rebase(rec.seq_base + lines - len(tail))
             self.ring.append_many(tail, datetime.now(UTC).isoformat())
             self.telemetry.reset(backend.new_parser(config))
             self._follow(log_path, offset=size, ready_check=backend if loading else None)
@@ -1001,11 +1032,13 @@ class Supervisor:
                     self.id,
                     settings.max_retries,
                 )
-                self.counters["start_failures"] += 1
                 return await self._start(
                     attempts=settings.max_retries, deadline=time.monotonic() + left
                 )
-            raise StartFailed(self.id, err.reason, err.exit_code, self._tail()) from None
+            self.counters["start_failures"] += 1
+            raise StartFailed(
+                self.id, err.reason, err.exit_code, self._tail(), retryable=err.retryable
+            ) from None
         if self.follower is not None:
             self.follower.hot_polling = True
         self.set_status(S.RUNNING, reason="ready", started_at=datetime.now(UTC), error_message=None)
