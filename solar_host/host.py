@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from solar_host.events import EventBus
@@ -101,14 +99,7 @@ class Host:
         `serve()` calls it before the server starts, so that refusal is one line on stderr.
         """
         if self.state_lock is None:
-            config = self.settings.config_file
-            self.state_lock = StateLock.for_dirs(
-                config.parent,
-                # A CONFIG_FILE that is a link to another host's: that host's directory too.
-                Path(os.path.realpath(config)).parent,
-                self.settings.log_dir,
-                self.settings.jobs_dir,  # its store and workspaces are as much the host's
-            )
+            self.state_lock = StateLock.for_host(self.settings)
         try:
             self.state_lock.acquire()
         except StateLocked as err:

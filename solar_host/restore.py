@@ -5,7 +5,8 @@ the file's last good copy, `<file>.prev`. This command checks each state file of
 (config.json, the jobs store, reservations.json, api_key); for each one that does not parse and
 whose last good copy does, it says what it replaces, moves the damaged file aside as
 `<file>.damaged-<UTC time>` (nothing is erased) and puts the copy in its place. Files that parse
-are not touched. Exit 0 when nothing is left damaged, 1 otherwise.
+are not touched. Exit 0 when nothing is left damaged, 1 otherwise, 2 when a running host holds
+the state directory (nothing is touched then).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from solar_host.statefiles import (
     parse_api_key,
     read_state_bytes,
 )
+from solar_host.statelock import StateLock, StateLocked, holder_pid, is_locked
 
 Check = Callable[[Path, bytes], str]  # raises StateFileError; returns a short summary
 
@@ -89,6 +91,19 @@ def _saved_at(path: Path) -> str:
 def restore_state(
     settings: Settings, *, dry_run: bool = False, say: Callable[[str], None] = print
 ) -> int:
+    """Exit status: 0 nothing left damaged, 1 some file left damaged, 2 a host runs on these
+    files (it would write over what is put back: stop it first)."""
+    if not dry_run:
+        # Probed, not taken: taking it would leave lock files (and directories) behind in a
+        # state directory this command otherwise only repairs.
+        for directory in StateLock.for_host(settings).directories:
+            if is_locked(directory):
+                say(f"nothing restored: {StateLocked(directory, holder_pid(directory))}")
+                return 2
+    return _restore(settings, dry_run=dry_run, say=say)
+
+
+def _restore(settings: Settings, *, dry_run: bool, say: Callable[[str], None]) -> int:
     left_damaged = 0
     for path, check in state_files(settings):
         summary, error = _status(path, check)

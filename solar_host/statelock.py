@@ -15,6 +15,7 @@ import fcntl
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 LOCK_NAME = ".solar-host.lock"
 
@@ -95,6 +96,18 @@ class StateLock:
             if resolved not in unique:
                 unique.append(resolved)
         return cls(unique)
+
+    @classmethod
+    def for_host(cls, settings: Any) -> StateLock:
+        """The directories one host owns: CONFIG_FILE's (and, when it is a link, its target's),
+        LOG_DIR and JOBS_DIR (its store and workspaces are as much the host's)."""
+        config = settings.config_file
+        return cls.for_dirs(
+            config.parent,
+            Path(os.path.realpath(config)).parent,
+            settings.log_dir,
+            settings.jobs_dir,
+        )
 
     @property
     def held(self) -> bool:

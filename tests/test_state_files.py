@@ -473,3 +473,29 @@ def test_config_json_killed_while_saving_loses_no_acknowledged_change(tmp_path: 
             assert acked <= on_disk, sorted(acked - on_disk)[:5]
             assert not (deleted & on_disk)
         assert acked
+
+
+def test_restore_state_refuses_while_a_host_holds_the_state_directory(tmp_path: Path) -> None:
+    """A running host would write over what is put back (and restore would replace a file
+    under it): nothing is touched, exit 2, and the message names the holder."""
+    from solar_host.statelock import StateLock
+
+    settings = Settings(
+        api_key="k" * 20,
+        config_file=tmp_path / "config.json",
+        log_dir=tmp_path / "logs",
+        jobs_dir=tmp_path / "jobs",
+    )
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(b'{"roles": ["infe')
+    (tmp_path / "config.json.prev").write_bytes(b'{"roles": ["inference"], "instances": []}')
+    lock = StateLock.for_host(settings)
+    lock.acquire()
+    try:
+        said: list[str] = []
+        assert restore_state(settings, say=said.append) == 2
+        assert cfg.read_bytes() == b'{"roles": ["infe'
+        assert "nothing restored" in said[0] and f"pid {os.getpid()}" in said[0]
+    finally:
+        lock.release()
+    assert restore_state(settings, say=lambda _: None) == 0
