@@ -479,3 +479,19 @@ async def test_stopped_instances_past_the_retained_buffers_are_read_from_their_f
         assert not sups[0].ring.entries and sups[1].ring.entries  # only one buffer retained
         lines = [e["line"] for e in (await h.client.get(f"/instances/{first}/logs")).json()]
         assert lines == buffered[first] and lines  # the same lines, from its log file
+
+
+async def test_the_state_stream_of_a_deleted_instance_ends(tmp_path: Path) -> None:
+    import json
+
+    import websockets
+
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path))
+        url = h.url.replace("http", "ws") + f"/instances/{iid}/state"
+        async with websockets.connect(url, additional_headers={"X-API-Key": s_key(h)}) as ws:
+            first = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert first["type"] == "instance_state"
+            assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)

@@ -55,7 +55,7 @@ async def stream_logs(ws: WebSocket, instance_id: str, since_seq: int | None = N
     woken: asyncio.Future[Any] | None = None
     try:
         while not closed.done():
-            ring = sup.ring  # re-read: a re-adoption replaces the ring
+            ring = sup.ring
             changed = ring.changed()
             gap, entries = ring.since(next_seq)
             if gap is not None and gap < ring.first_seq:
@@ -112,9 +112,9 @@ async def stream_state(ws: WebSocket, instance_id: str) -> None:
         return
     from solar_host.events import InstancesChanged, RuntimeStateChanged, iso_now
 
-    queue: asyncio.Queue[dict] = asyncio.Queue(maxsize=256)
+    queue: asyncio.Queue[dict | None] = asyncio.Queue(maxsize=256)
 
-    def put(msg: dict[str, Any]) -> None:
+    def put(msg: dict[str, Any] | None) -> None:
         if queue.full():  # a slow client only ever misses intermediate states
             with contextlib.suppress(asyncio.QueueEmpty):
                 queue.get_nowait()
@@ -125,7 +125,11 @@ async def stream_state(ws: WebSocket, instance_id: str) -> None:
             put({"type": "instance_state", "timestamp": event.timestamp, "data": event.state})
 
     def on_status(event: InstancesChanged) -> None:  # type: ignore[override]
-        if event.instance_id != instance_id or event.status is None:
+        if event.instance_id != instance_id:
+            return
+        if event.status is None:
+            if manager.supervisors.get(instance_id) is not sup:
+                put(None)  # deleted: the stream ends (as the log stream does)
             return
         # Published synchronously by set_status: the record already holds the new fields.
         inst = sup.instance
@@ -155,7 +159,10 @@ async def stream_state(ws: WebSocket, instance_id: str) -> None:
             if getter not in done:
                 getter.cancel()
                 break
-            await _send_text(ws, json.dumps(getter.result()))
+            msg = getter.result()
+            if msg is None:
+                break
+            await _send_text(ws, json.dumps(msg))
     except (WebSocketDisconnect, TimeoutError, RuntimeError):
         pass
     finally:
