@@ -45,9 +45,9 @@ def hand_over(state_dir: Path, *, timeout: float = 120.0) -> int:
     try:
         proc = psutil.Process(pid)
         os.kill(pid, HAND_OVER_SIGNAL)
-    except ProcessLookupError:
-        return pid
-    except PermissionError as err:
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return pid  # it exited between the lock probe and the signal: gone is what was asked
+    except (PermissionError, psutil.AccessDenied) as err:
         raise HandOverError(f"cannot signal the host (pid {pid}): {err}") from None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -310,7 +310,7 @@ def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) 
         h.start()
         env = {**h.env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         p = subprocess.run(
-            [sys.executable, "-m", "solar_host", "handover", "--env-file", str(h.tmp / "no.env")],
+            [sys.executable, "-m", "solar_host", "handover", "--env-file", os.devnull],
             env=env,
             capture_output=True,
             text=True,
@@ -322,7 +322,7 @@ def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) 
         assert h.proc is not None and h.proc.wait(timeout=10) == 0
         assert alive(pid)
         p = subprocess.run(
-            [sys.executable, "-m", "solar_host", "handover", "--env-file", str(h.tmp / "no.env")],
+            [sys.executable, "-m", "solar_host", "handover", "--env-file", os.devnull],
             env=env,
             capture_output=True,
             text=True,
@@ -330,6 +330,17 @@ def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) 
             cwd=h.tmp,
         )
         assert p.returncode == 1 and "no solar-host is running" in p.stderr, p.stderr
+
+
+def test_a_host_that_exits_between_the_lock_probe_and_the_signal_counts_as_handed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import solar_host.handover as handover
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process now
+    monkeypatch.setattr(handover, "running_host_pid", lambda _d: gone.pid)
+    assert hand_over(tmp_path, timeout=5) == gone.pid
 
 
 # --- systemd notifications ------------------------------------------------------------------------
