@@ -495,3 +495,35 @@ async def test_the_state_stream_of_a_deleted_instance_ends(tmp_path: Path) -> No
             assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
             with pytest.raises(websockets.ConnectionClosed):
                 await asyncio.wait_for(ws.recv(), 10)
+
+
+async def test_a_restart_refused_for_a_taken_port_says_so_on_the_instance(tmp_path: Path) -> None:
+    import socket
+
+    from tests.fixtures.ports import free_port
+
+    port = free_port()
+    s = host_settings(tmp_path, restart_backoff_s=1.0)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", port=port))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        for _ in range(200):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "failed":
+                break
+            await asyncio.sleep(0.02)
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        try:
+            for _ in range(200):
+                inst = (await h.client.get(f"/instances/{iid}")).json()
+                if "refused" in (inst["error_message"] or ""):
+                    break
+                await asyncio.sleep(0.05)
+            assert inst["status"] == "failed"
+            assert "the restart was refused" in inst["error_message"], inst
+            assert f"Port {port}" in inst["error_message"]
+        finally:
+            squatter.close()

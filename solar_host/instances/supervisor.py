@@ -612,7 +612,15 @@ class Supervisor:
             # try comes after the next backoff, until RESTART_MAX_IN_WINDOW, rather than never.
             if err.retryable:
                 self._schedule_restart()
-        except (InstanceConflict, asyncio.CancelledError):
+        except InstanceConflict as err:
+            # Not the backend's failure: the fit check or a taken port refused the restart.
+            # Said where the operator looks, not only in the host's log.
+            log.warning("restart of %s refused: %s", self.id, err.detail)
+            self.stored.instance.error_message = (
+                f"{self.instance.error_message}; the restart was refused: {err.detail}"
+            )
+            self.m.changed(self.id, self.status.value, "restart_refused")
+        except asyncio.CancelledError:
             pass
 
     async def _poll_metrics(self, path: str) -> None:
