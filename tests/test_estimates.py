@@ -279,3 +279,154 @@ def test_builtin_type_sizes_match_the_gguf_library() -> None:
         k: v for k, v in BUILTIN_QUANT_SIZES.items() if k in library
     }
     assert set(BUILTIN_QUANT_SIZES) >= {0, 1, 2, 8, 12, 14, 30}
+
+
+# --- hostile model files -------------------------------------------------------------------------
+
+
+def raw_safetensors(folder: Path, header: bytes, config: str | None = None) -> Path:
+    """A safetensors file whose header is `header` verbatim (no tensor data), and config.json."""
+    import struct
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+def tensor_header(shape: object) -> bytes:
+    import json
+
+    return json.dumps({"w": {"dtype": "F16", "shape": shape, "data_offsets": [0, 0]}}).encode()
+
+
+GOOD_CONFIG = '{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}'
+
+
+@pytest.mark.parametrize(
+    ("header", "config", "named"),
+    [
+        (tensor_header([None, 4]), GOOD_CONFIG, "tensor 'w': shape"),
+        (tensor_header(5), GOOD_CONFIG, "tensor 'w': shape"),
+        (tensor_header([-(10**12), 1]), GOOD_CONFIG, "tensor 'w': shape"),
+        (tensor_header([4.5, 2]), GOOD_CONFIG, "tensor 'w': shape"),
+        (b"[" * 100_000 + b"]" * 100_000, GOOD_CONFIG, "nested too deeply"),
+        (tensor_header([4, 4]), '{"text_config": "x"}', "text_config"),
+        (tensor_header([4, 4]), '{"hidden_size": "abc"}', "hidden_size"),
+        (tensor_header([4, 4]), '{"num_hidden_layers": 1e999}', "num_hidden_layers"),
+        (tensor_header([4, 4]), '{"num_hidden_layers": -1000000}', "num_hidden_layers"),
+        (tensor_header([4, 4]), '{"text_config": {"head_dim": true}}', "head_dim"),
+    ],
+)
+def test_hostile_safetensors_and_config_name_the_field(
+    tmp_path: Path, header: bytes, config: str, named: str
+) -> None:
+    model = raw_safetensors(tmp_path / "m", header, config)
+    hf = HuggingFaceCausalConfig(alias="a", model_id=str(model), dtype="float16")
+    with pytest.raises(EstimateError) as err:
+        estimate_config(hf, gpus(24))
+    assert err.value.field == "model_id" and named in err.value.msg
+    if named.startswith(("tensor", "nested")):  # SGLang reads the same weights
+        sg = SglangConfig(alias="s", model_path=str(model))
+        with pytest.raises(EstimateError) as err:
+            estimate_config(sg, gpus(24))
+        assert err.value.field == "model_path"
+
+
+def test_integral_float_sizes_in_config_are_sizes(tmp_path: Path) -> None:
+    model = raw_safetensors(
+        tmp_path / "m", tensor_header([4, 4]), '{"hidden_size": 64.0, "num_hidden_layers": 2}'
+    )
+    est = estimate_config(HuggingFaceCausalConfig(alias="a", model_id=str(model)), [])
+    assert est.devices[0].kv_cache_bytes > 0
+
+
+def gguf_file(path: Path, kv: list[tuple[str, int, bytes]], tensors=()) -> Path:
+    """A minimal GGUF v3: kv = [(key, value type, packed value)], tensors = [(name, dims, type)]."""
+    import struct
+
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv) + 1)
+    out += s("general.architecture") + struct.pack("<I", 8) + s("llama")
+    for key, vtype, value in kv:
+        out += s(key) + struct.pack("<I", vtype) + value
+    for name, dims, ggml_type in tensors:
+        out += s(name) + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ggml_type, 0)
+    path.write_bytes(out)
+    return path
+
+
+def i32(v: int) -> tuple[int, bytes]:
+    import struct
+
+    return 5, struct.pack("<i", v)
+
+
+def u32(v: int) -> tuple[int, bytes]:
+    import struct
+
+    return 4, struct.pack("<I", v)
+
+
+def array(etype: int, *values: bytes) -> tuple[int, bytes]:
+    import struct
+
+    return 9, struct.pack("<IQ", etype, len(values)) + b"".join(values)
+
+
+def sane(**over: tuple[int, bytes]) -> list[tuple[str, int, bytes]]:
+    kv = {
+        "llama.block_count": i32(2),
+        "llama.embedding_length": i32(64),
+        "llama.attention.head_count": i32(4),
+        "llama.context_length": i32(4096),
+        **{f"llama.{k}": v for k, v in over.items()},
+    }
+    return [(k, t, v) for k, (t, v) in kv.items()]
+
+
+@pytest.mark.parametrize(
+    ("kv", "named"),
+    [
+        (sane(context_length=i32(-(2**31))), "llama.context_length"),
+        (sane(**{"attention.head_count": i32(-4)}), "llama.attention.head_count"),
+        (sane(block_count=array(9, array(5, i32(2)[1])[1])), "llama.block_count"),
+        (sane(**{"attention.head_count_kv": array(5, i32(2)[1], i32(-1)[1])}), "head_count_kv"),
+        (sane(feed_forward_length=(6, b"\0\0\x80\x3f")), "llama.feed_forward_length"),  # 1.0f
+        (sane(block_count=u32(20_000)), "block_count 20000 is implausible"),
+        (sane(block_count=u32(10_001)), "more than 10000 layers"),
+    ],
+)
+def test_hostile_gguf_metadata_names_the_key(tmp_path: Path, kv, named: str) -> None:
+    path = gguf_file(tmp_path / "h.gguf", kv, [("blk.0.w", [64, 64], 1)])
+    with pytest.raises(EstimateError) as err:
+        estimate_config(llama(path, ctx_size=0), gpus(24))
+    assert err.value.field == "model" and named in err.value.msg
+
+
+def test_gguf_arrays_nested_without_end_are_refused(tmp_path: Path) -> None:
+    import struct
+
+    nest = b"".join(struct.pack("<IQ", 9, 1) for _ in range(5000)) + struct.pack("<IQ", 5, 0)
+    path = gguf_file(tmp_path / "n.gguf", [*sane(), ("x", 9, nest)])
+    with pytest.raises(EstimateError) as err:
+        estimate_config(llama(path), [])
+    assert err.value.field == "model" and "nested deeper" in err.value.msg
+    shallow = b"".join(struct.pack("<IQ", 9, 1) for _ in range(3)) + struct.pack("<IQ", 5, 0)
+    path = gguf_file(tmp_path / "ok.gguf", [*sane(), ("x", 9, shallow)])
+    assert estimate_config(llama(path), []).total_bytes > 0
+
+
+def test_device_estimates_are_never_negative() -> None:
+    from solar_host.estimates.model import DeviceEstimate, Estimate
+
+    d = DeviceEstimate("cuda:0", weights_bytes=-(10 * GB), kv_cache_bytes=5)
+    d.compute_bytes -= 3
+    d.extra_files_bytes = -1
+    assert (d.weights_bytes, d.kv_cache_bytes, d.compute_bytes, d.extra_files_bytes) == (0, 5, 0, 0)
+    assert Estimate("x", [d]).by_device() == {"cuda:0": 5}

@@ -258,3 +258,36 @@ async def test_crash_restart_is_fit_checked_too(
         assert sup.counters["starts"] == 1  # the restart did not spawn
         assert any("refused" in rec.getMessage() for rec in caplog.records)
         await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_start_of_a_model_the_estimate_cannot_read_is_no_500(tmp_path: Path) -> None:
+    """A GGUF whose block_count is an array of arrays: the estimate's EstimateError lets the
+    start go on unchecked (as for a truncated header), never a 500."""
+    import struct
+
+    def s(x: str) -> bytes:
+        return struct.pack("<Q", len(x)) + x.encode()
+
+    odd = tmp_path / "odd" / "o.gguf"
+    odd.parent.mkdir()
+    nested = struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 5, 1) + struct.pack("<i", 2)
+    odd.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 2)
+        + s("general.architecture")
+        + struct.pack("<I", 8)
+        + s("llama")
+        + s("llama.block_count")
+        + struct.pack("<I", 9)
+        + nested
+    )
+    settings = host_settings(tmp_path, model_roots=str(odd.parent))
+    async with running_host(settings, backends=registry(), probe=FakeProbe(gpus=[(24, 0)])) as h:
+        config = cfg(tmp_path, odd, "--ready-after", "0.05")
+        r = await h.client.post("/instances/estimate", json={"config": config})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "model"
+        iid = await create(h, config)
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        assert r.json()["instance"]["placed_devices"] is None  # started unchecked
+        assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200

@@ -161,3 +161,53 @@ async def test_loading_holds_and_reservations_see_each_other(tmp_path: Path, mod
         await gate.admit("b", big)
     resources.release(res["id"])
     assert await gate.admit("b", big) is not None
+
+
+async def test_reservations_come_off_all_gpus_together(model: Path) -> None:
+    """A reservation is not charged to one GPU: the share an even spread would put on a full
+    GPU must not vanish. cuda:1 is full, so all of it comes off what cuda:0 has."""
+    need = gpu_need(model)
+    probe = FakeProbe(gpus=free_mib(need / MIB * 1.5, 0))
+    gate = CapacityGate(probe, reserved=lambda: {"gpu": need})
+    assert gate.available(gate.devices())["cuda:0"] == pytest.approx(need * 0.5, abs=2 * MIB)
+    with pytest.raises(InsufficientMemory) as err:
+        await gate.admit("a", config(model))
+    assert err.value.device == "cuda:0" and err.value.available_bytes < need
+    gate.reserved = lambda: {"gpu": need // 4}
+    assert (await gate.admit("a", config(model))).device_names == ["cuda:0"]
+
+
+async def test_a_split_must_fit_what_all_gpus_have_left(model: Path) -> None:
+    """Each GPU of a split may have room for its part while the GPUs together have less than
+    the parts sum to, once reservations are counted."""
+    need = gpu_need(model)
+    probe = FakeProbe(gpus=free_mib(need / MIB, need / MIB, total_gib=2.0))
+    split = config(model, devices="CUDA0,CUDA1")
+    placement, _, short = CapacityGate(probe).place("a", split)
+    assert short is None
+    on_gpus = sum(placement.needs[d] for d in ("cuda:0", "cuda:1"))
+    own = 2 * int(need / MIB * MIB)
+    gate = CapacityGate(probe, reserved=lambda: {"gpu": own - on_gpus + MIB})
+    avail = gate.available(gate.devices())
+    assert all(avail[d] >= placement.needs[d] for d in ("cuda:0", "cuda:1"))
+    with pytest.raises(InsufficientMemory) as err:
+        await gate.admit("a", split)
+    assert err.value.device == "cuda:0,cuda:1" and err.value.needed_bytes == on_gpus
+    assert "all GPUs together" in err.value.detail
+
+
+@pytest.mark.parametrize("pin", [{"split_mode": "none", "main_gpu": 1}, {"tensor_split": "0,1"}])
+async def test_a_gpu_set_that_cannot_be_estimated_is_skipped(model: Path, pin: dict) -> None:
+    """main_gpu 1 / tensor_split "0,1" cannot be estimated on the first candidate (one GPU):
+    the next set is tried, not the whole fit check skipped."""
+    probe = FakeProbe(gpus=[(80, 0), (1, 1)])  # the model goes to cuda:1, which is full
+    gate = CapacityGate(probe)
+    with pytest.raises(InsufficientMemory) as err:
+        await gate.admit("a", config(model, **pin))
+    assert err.value.device == "cuda:1"
+    probe.set_gpus((80, 0), (80, 0))
+    p = await gate.admit("a", config(model, **pin))
+    assert p is not None and p.device_names == ["cuda:0", "cuda:1"]
+    assert p.needs.get("cuda:1", 0) > 0 and "cuda:0" not in p.needs
+    # When no set can be estimated, the start goes on unchecked (as before).
+    assert await CapacityGate(FakeProbe(gpus=[(80, 0)])).admit("b", config(model, **pin)) is None

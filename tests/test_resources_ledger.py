@@ -9,7 +9,12 @@ import pytest
 from pydantic import ValidationError
 
 from solar_host.events import EventBus, ReservationsChanged
-from solar_host.resources.ledger import CapacityExceeded, ReservationNotFound, ReservationRunning
+from solar_host.resources.ledger import (
+    CapacityExceeded,
+    DimensionUnreadable,
+    ReservationNotFound,
+    ReservationRunning,
+)
 from solar_host.resources.schemas import ReservationRequest
 from solar_host.resources.service import ResourceService
 from solar_host.settings import Settings
@@ -166,6 +171,10 @@ def test_cpu_host_folds_vram_into_ram(settings: Settings) -> None:
     svc = ResourceService(settings, bus=EventBus(), probe=FakeProbe(ram=(16, 4)))
     view = svc.create(req(vram=4, ram=1))
     assert view["vram_gb"] == 0.0 and view["ram_gb"] == 5.0
+    # Stored as requested: the fold is the accounting's, not the record's.
+    (record,) = svc.ledger.records()
+    assert (record.vram_gb, record.ram_gb) == (4.0, 1.0)
+    assert svc.reserved_bytes() == {"gpu": 0, "cpu": 5 * 1024**3}
     snap = svc.snapshot()
     assert snap["memory_type"] == "RAM" and snap["vram"] is None
     assert snap["ram"]["reserved_headroom_gb"] == 5.0 and snap["ram"]["available_gb"] == 7.0
@@ -194,7 +203,8 @@ def test_probe_failures_drop_the_dimension(settings: Settings) -> None:
     probe.fail.update({"gpus", "disk"})
     svc = ResourceService(settings, bus=EventBus(), probe=probe)
     snap = svc.snapshot()
-    assert snap["memory_type"] == "RAM" and snap["vram"] is None and snap["disk"] is None
+    # Still a GPU host (the probe's gpu_type says so): a failed read is not a CPU host.
+    assert snap["memory_type"] == "VRAM" and snap["vram"] is None and snap["disk"] is None
     assert snap["ram"]["total_gb"] == 16.0
     probe.set_disk(None)
     probe.fail.clear()
@@ -296,3 +306,109 @@ def test_default_ttl_is_bounded(settings: Settings, gpu_probe: FakeProbe) -> Non
     svc = ResourceService(settings, bus=EventBus(), probe=gpu_probe)
     view = svc.create(req(vram=1))
     assert datetime.fromisoformat(view["expires_at"]).year >= datetime.now(UTC).year + 9
+
+
+def test_create_reads_the_probe_fresh(svc: ResourceService, gpu_probe: FakeProbe) -> None:
+    """The snapshot cache (SYSTEM_READ_TTL_S) never decides a create: a start that finished
+    loading within that second has dropped its hold, and only a fresh read shows its memory."""
+    assert svc.snapshot()["vram"]["available_gb"] == 16.0  # fills the cache
+    gpu_probe.set_gpus((24, 20))  # a backend now holds 12 GiB more
+    with pytest.raises(CapacityExceeded) as e:
+        svc.create(req(vram=10))
+    assert e.value.dimension == "vram" and e.value.available_gb == 4.0
+    calls = gpu_probe.calls["gpus"]
+    svc.snapshot()
+    assert gpu_probe.calls["gpus"] == calls  # snapshots still use the cache
+
+
+def test_gpu_probe_blip_keeps_vram_claims_vram(svc: ResourceService, gpu_probe: FakeProbe) -> None:
+    before = svc.create(req("a", vram=4))
+    svc.snapshot()
+    gpu_probe.fail.add("gpus")
+    # A VRAM request cannot be checked while the GPUs cannot be read: refused, not folded.
+    with pytest.raises(DimensionUnreadable) as e:
+        svc.create(req("b", vram=4))
+    assert e.value.dimension == "vram" and "GPUs" in str(e.value)
+    ram_only = svc.create(req("c", ram=1))  # nothing asked of the VRAM dimension
+    assert (ram_only["vram_gb"], ram_only["ram_gb"]) == (0.0, 1.0)
+    during = fresh(svc)
+    assert during["memory_type"] == "VRAM" and during["vram"] is None
+    assert during["ram"]["reserved_headroom_gb"] == 1.0  # the VRAM claim did not move to RAM
+    gpu_probe.fail.clear()
+    snap = fresh(svc)
+    assert snap["vram"]["reserved_headroom_gb"] == 4.0 and snap["vram"]["available_gb"] == 12.0
+    assert {r["id"]: r["vram_gb"] for r in snap["reservations"]} == {
+        before["id"]: 4.0,
+        ram_only["id"]: 0.0,
+    }
+    assert [(r.vram_gb, r.ram_gb) for r in svc.ledger.records()] == [(4.0, 0.0), (0.0, 1.0)]
+    assert svc.reserved_bytes() == {"gpu": 4 * 1024**3, "cpu": 1024**3}
+
+
+def test_gpu_host_whose_first_read_fails_is_no_cpu_host(settings: Settings) -> None:
+    probe = FakeProbe(gpus=[(24, 8)])
+    probe.fail.add("gpus")
+    svc = ResourceService(settings, bus=EventBus(), probe=probe)
+    with pytest.raises(DimensionUnreadable):
+        svc.create(req(vram=1))
+    assert svc.ledger.records() == []
+
+
+def test_unreadable_ram_or_disk_refuses_requests_in_it(
+    svc: ResourceService, gpu_probe: FakeProbe
+) -> None:
+    gpu_probe.fail.add("ram")
+    with pytest.raises(DimensionUnreadable) as e:
+        svc.create(req(ram=1))
+    assert e.value.dimension == "ram"
+    svc.create(req(vram=1))  # VRAM can be checked
+    gpu_probe.fail.clear()
+    gpu_probe.set_disk(None)  # a filesystem that cannot be read
+    with pytest.raises(DimensionUnreadable) as e:
+        svc.create(req(disk_gb=1))
+    assert e.value.dimension == "disk"
+    gpu_probe.fail.add("disk")
+    with pytest.raises(DimensionUnreadable):
+        svc.create(req(disk_gb=1))
+    assert len(svc.ledger.records()) == 1
+
+
+async def test_unreadable_dimension_is_a_503(tmp_path: Path) -> None:
+    from tests.test_api_resources import H, create_app, make_settings, open_client
+
+    probe = FakeProbe(gpus=[(80, 0)], ram=(64, 8))
+    app = create_app(make_settings(tmp_path), probe=probe)
+    async with open_client(app) as client:
+        assert (await client.get("/resources", headers=H)).json()["vram"]["total_gb"] == 80.0
+        probe.fail.add("gpus")
+        body = {"job_id": "train", "vram_gb": 40, "ram_gb": 0}
+        r = await client.post("/resources/reservations", headers=H, json=body)
+        assert r.status_code == 503, r.text
+        assert r.json()["dimension"] == "vram" and "GPUs" in r.json()["detail"]
+        probe.fail.clear()
+        r = await client.post("/resources/reservations", headers=H, json=body)
+        assert r.status_code == 201 and (r.json()["vram_gb"], r.json()["ram_gb"]) == (40.0, 0.0)
+
+
+def test_expired_reservations_count_nowhere(svc: ResourceService) -> None:
+    """From its expires_at on, a reservation counts in no reader, before the sweep removes it;
+    one whose job runs stays (it is removed only once the job ends)."""
+    from solar_host.estimates.capacity import CapacityGate
+
+    gone = svc.create(req("a", vram=12, ram=2, disk_gb=50))
+    kept = svc.create(req("b", vram=1))
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    svc.ledger._items[gone["id"]].expires_at = past
+    svc.ledger._items[kept["id"]].expires_at = past
+    svc.jobs.running.add("b")
+    snap = svc.snapshot()
+    assert [r["id"] for r in snap["reservations"]] == [kept["id"]]
+    assert snap["vram"]["reserved_headroom_gb"] == 1.0 and snap["vram"]["available_gb"] == 15.0
+    assert snap["ram"]["reserved_headroom_gb"] == 0.0 and snap["disk"]["available_gb"] == 400.0
+    summary = svc.health_summary()
+    assert summary["active_count"] == 1 and summary["vram"]["reserved_headroom_gb"] == 1.0
+    assert svc.reserved_bytes() == {"gpu": 1024**3, "cpu": 0}
+    assert svc.get(gone["id"]) is None and svc.get(kept["id"]) is not None
+    gate = CapacityGate(svc.probe, reserved=svc.reserved_bytes)
+    assert gate.available(gate.devices())["cuda:0"] == 15 * 1024**3
+    assert len(svc.ledger.records()) == 2  # the sweep has not run: only the readers changed

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 
 from solar_host.resources.ledger import (
     CapacityExceeded,
+    DimensionUnreadable,
     LedgerNotPersisted,
     ReservationNotFound,
     ReservationRunning,
@@ -43,16 +44,22 @@ async def get_resources(request: Request) -> dict[str, Any]:
     response_model=ReservationView,
     responses={
         409: {"model": CapacityExceededBody, "description": "Not enough capacity"},
+        503: {"description": "A dimension asked for cannot be read now; nothing reserved"},
         507: {"description": "The reservation store could not be written; nothing reserved"},
     },
 )
 async def create_reservation(body: ReservationRequest, request: Request) -> Any:
     """Pre-claim capacity for a job. 409 (flat body) when a dimension lacks room. Answered once
-    the reservation is on disk (a host restart keeps it)."""
+    the reservation is on disk (a host restart keeps it). 503 when the GPUs, memory or disk
+    it asks for cannot be read now (it could not be checked)."""
     try:
         return await _service(request).reserve(body)
     except CapacityExceeded as err:
         return JSONResponse(status_code=409, content=err.body())
+    except DimensionUnreadable as err:
+        return JSONResponse(
+            status_code=503, content={"detail": str(err), "dimension": err.dimension}
+        )
     except LedgerNotPersisted as err:
         return JSONResponse(status_code=507, content={"detail": str(err)})
 

@@ -1,12 +1,13 @@
 """The fit check and GPU placement of a start, and the memory held by instances still loading.
 
 A start asks `admit()`: the gate reads what each device has free (the probe), takes off what
-loading instances hold and what reservations keep (the ledger), picks devices when the config
-names none (the GPU with most free memory that fits, else the smallest set of the freest GPUs
-for a split), and either holds the estimate until the start ends or refuses with
-InsufficientMemory (409). Check and hold happen under one lock with no await between them,
-so concurrent starts cannot both count the same free bytes. Once the start ends the hold goes:
-a running backend's memory is in the probe's own figures from then on.
+loading instances hold (per device) and what reservations keep (the ledger; reserved VRAM comes
+off all GPUs together, see `budget`), picks devices when the config names none (the GPU with
+most free memory that fits, else the smallest set of the freest GPUs for a split), and either
+holds the estimate until the start ends or refuses with InsufficientMemory (409). Check and
+hold happen under one lock with no await between them, so concurrent starts cannot both count
+the same free bytes. Once the start ends the hold goes: a running backend's memory is in the
+probe's own figures from then on.
 """
 
 from __future__ import annotations
@@ -93,6 +94,36 @@ def _candidates(
     return [([], False)]
 
 
+# (device, bytes needed, bytes available, reason): what a refusal names.
+Shortfall = tuple[str, int, int, str]
+
+
+def _shortfall(
+    p: Placement, devs: list[Device], avail: dict[str, int], gpu_pool: int
+) -> Shortfall | None:
+    """Why placement `p` does not fit, or None: a refusal of the backend itself, a device
+    short of memory, or its GPUs together needing more than all GPUs have left once
+    reservations are counted."""
+    needs = p.needs
+    if p.estimate.refusal:
+        dev = devs[0].name if devs else CPU
+        return (dev, needs.get(dev, 0), avail.get(dev, 0), p.estimate.refusal)
+    for dev, n in needs.items():
+        if n > avail.get(dev, 0):
+            return (dev, n, avail.get(dev, 0), "")
+    on_gpus = {dev: n for dev, n in needs.items() if dev != CPU}
+    total = sum(on_gpus.values())
+    if total > gpu_pool:
+        names = ",".join(on_gpus)
+        why = (
+            f"Not enough GPU memory for {names}: the instance needs about {total / GB:.2f} GiB, "
+            f"{gpu_pool / GB:.2f} GiB is free on all GPUs together once reservations are "
+            "counted (set skip_fit_check: true in the config to start anyway)"
+        )
+        return (names, total, gpu_pool, why)
+    return None
+
+
 class CapacityGate:
     def __init__(
         self,
@@ -143,56 +174,73 @@ class CapacityGate:
             for iid, p in list(self._holds.items())
         ]
 
-    def available(self, devices: list[Device], exclude: str | None = None) -> dict[str, int]:
-        held = self.held(exclude)
+    def budget(
+        self, devices: list[Device], exclude: str | None = None
+    ) -> tuple[dict[str, int], int]:
+        """(bytes available per device, bytes available on all GPUs together).
+
+        Loading holds are per device. Reservations are per dimension, not per GPU (the job
+        decides where it puts its memory), so reserved GPU bytes come off the GPUs' total
+        free memory, and no GPU can offer more than that total. Spreading them evenly and
+        clamping each GPU at 0 would lose the share charged to a full GPU."""
+        return self._budget(devices, self._free_less_holds(devices, exclude))
+
+    def _budget(self, devices: list[Device], own: dict[str, int]) -> tuple[dict[str, int], int]:
         reserved = self.reserved() if self.reserved is not None else {}
-        gpus = [d for d in devices if d.is_gpu]
+        gpu_pool = sum(own[d.name] for d in devices if d.is_gpu) - reserved.get("gpu", 0)
+        gpu_pool = max(gpu_pool, 0)
         out: dict[str, int] = {}
         for d in devices:
-            n = d.free_bytes - held.get(d.name, 0)
-            # Ledger reservations are per dimension, not per GPU: spread over the GPUs.
-            if d.is_gpu and gpus:
-                n -= reserved.get("gpu", 0) // len(gpus)
-            elif not d.is_gpu:
-                n -= reserved.get("cpu", 0)
-            out[d.name] = max(n, 0)
-        return out
+            if d.is_gpu:
+                out[d.name] = min(own[d.name], gpu_pool)
+            else:
+                out[d.name] = max(own[d.name] - reserved.get("cpu", 0), 0)
+        return out, gpu_pool
+
+    def available(self, devices: list[Device], exclude: str | None = None) -> dict[str, int]:
+        """Bytes available per device: free, less loading holds and reservations."""
+        return self.budget(devices, exclude)[0]
+
+    def _free_less_holds(self, devices: list[Device], exclude: str | None) -> dict[str, int]:
+        held = self.held(exclude)
+        return {d.name: max(d.free_bytes - held.get(d.name, 0), 0) for d in devices}
 
     # --- estimate and placement ------------------------------------------------------------------
     def place(
         self, instance_id: str, config: Any, exclude: str | None = None
-    ) -> tuple[Placement, dict[str, int], tuple[str, int, int, str] | None]:
+    ) -> tuple[Placement, dict[str, int], Shortfall | None]:
         """The best placement, what is available, and the first shortfall of it (or None).
 
-        Pure arithmetic once the model headers are cached; raises EstimateError.
+        Pure arithmetic once the model headers are cached. A device set the config cannot be
+        estimated on (main_gpu or tensor_split naming a GPU outside it) is skipped; raises
+        the first candidate's EstimateError only when no set can be estimated.
         """
         devices = self.devices()
-        avail = self.available(devices, exclude or instance_id)
+        own = self._free_less_holds(devices, exclude or instance_id)
+        avail, gpu_pool = self._budget(devices, own)
+        # Order and llama.cpp's default split follow each GPU's own free memory; the pool
+        # cap only decides whether it fits.
         gpus = [
-            Device(d.name, d.index, d.total_bytes, avail.get(d.name, 0))
-            for d in devices
-            if d.is_gpu
+            Device(d.name, d.index, d.total_bytes, own.get(d.name, 0)) for d in devices if d.is_gpu
         ]
-        first: tuple[Placement, tuple[str, int, int, str] | None] | None = None
-        for devs, chosen in _candidates(config, gpus, avail):
-            est = estimate_config(config, devs)
-            needs = est.by_device()
+        first: tuple[Placement, Shortfall] | None = None
+        error: EstimateError | None = None
+        for devs, chosen in _candidates(config, gpus, own):
+            try:
+                est = estimate_config(config, devs)
+            except EstimateError as err:
+                error = error or err
+                continue
             p = Placement(instance_id, est, [d.index for d in devs if d.index is not None], chosen)
-            p.needs = needs
-            short = None
-            if est.refusal:
-                dev = devs[0].name if devs else CPU
-                short = (dev, needs.get(dev, 0), avail.get(dev, 0), est.refusal)
-            else:
-                for dev, n in needs.items():
-                    if n > avail.get(dev, 0):
-                        short = (dev, n, avail.get(dev, 0), "")
-                        break
+            p.needs = est.by_device()
+            short = _shortfall(p, devs, avail, gpu_pool)
             if short is None:
                 return p, avail, None
             if first is None:
                 first = (p, short)
-        assert first is not None
+        if first is None:
+            assert error is not None
+            raise error
         return first[0], avail, first[1]
 
     async def admit(self, instance_id: str, config: Any) -> Placement | None:

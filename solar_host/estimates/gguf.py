@@ -78,46 +78,84 @@ class GgufFacts:
         return sum(self.block_bytes) + self.embd_bytes + self.output_bytes
 
 
-def _per_layer(value: Any, n_layer: int, default: int) -> list[int]:
+# More layers than any model has: a header claiming more is refused before per-layer lists of
+# that length are built (a 200-byte file could otherwise claim 4e9 of them).
+MAX_BLOCK_COUNT = 10_000
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _count(meta: dict[str, Any], key: str) -> int:
+    """A non-negative integer metadata value (0 when absent). Raises ValueError naming it."""
+    value = meta.get(key)
+    if value is None:
+        return 0
+    if not _is_count(value):
+        raise ValueError(f"GGUF metadata {key} must be a non-negative integer, not {_show(value)}")
+    return value
+
+
+def _per_layer(meta: dict[str, Any], key: str, n_layer: int, default: int) -> list[int]:
+    """A scalar or per-layer metadata value as one count per layer."""
+    value = meta.get(key)
     if value is None:
         return [default] * n_layer
     if isinstance(value, list):
-        vals = [int(v) for v in value] or [default]
+        if not all(_is_count(v) for v in value):
+            raise ValueError(f"GGUF metadata {key} must hold non-negative integers")
+        vals = value or [default]
         return (vals + [vals[-1]] * n_layer)[:n_layer]
-    return [int(value)] * n_layer
+    return [_count(meta, key)] * n_layer
 
 
 def read_facts(path: str) -> GgufFacts:
-    """Parse the header of a GGUF file. Raises ValueError when it is not a readable GGUF."""
+    """Parse the header of a GGUF file. Raises ValueError when it is not a readable GGUF, or
+    its metadata is not what llama.cpp could load (negative or non-integer sizes, an
+    implausible layer count)."""
     try:
         meta, tensors = read_header(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF header of {path}: {err}") from None
 
-    def get(key: str) -> Any:
-        return meta.get(key)
-
-    arch = get("general.architecture") or "llama"
-    n_layer = int(get(f"{arch}.block_count") or 0)
-    n_embd = int(get(f"{arch}.embedding_length") or 0)
-    ff = get(f"{arch}.feed_forward_length")
-    n_ff = max(_per_layer(ff, max(n_layer, 1), 4 * n_embd)) if n_embd else 0
-    n_head = _per_layer(get(f"{arch}.attention.head_count"), n_layer, 0)
+    arch = meta.get("general.architecture") or "llama"
+    if not isinstance(arch, str):
+        raise ValueError(f"GGUF metadata general.architecture is not a string: {_show(arch)}")
+    n_layer = _count(meta, f"{arch}.block_count")
+    if n_layer > MAX_BLOCK_COUNT:
+        raise ValueError(
+            f"GGUF metadata {arch}.block_count {n_layer} is implausible "
+            f"(more than {MAX_BLOCK_COUNT} layers)"
+        )
+    n_embd = _count(meta, f"{arch}.embedding_length")
+    ff_key = f"{arch}.feed_forward_length"
+    n_ff = max(_per_layer(meta, ff_key, max(n_layer, 1), 4 * n_embd)) if n_embd else 0
+    n_head = _per_layer(meta, f"{arch}.attention.head_count", n_layer, 0)
     # Absent: one KV head per head (MHA). A 0 in a per-layer array is a layer without
     # attention (the recurrent layers of a hybrid model): it has no KV cache.
-    kv_raw = get(f"{arch}.attention.head_count_kv")
-    n_head_kv = n_head if kv_raw is None else _per_layer(kv_raw, n_layer, 0)
+    kv_key = f"{arch}.attention.head_count_kv"
+    n_head_kv = n_head if meta.get(kv_key) is None else _per_layer(meta, kv_key, n_layer, 0)
+    key_length = _count(meta, f"{arch}.attention.key_length")
+    value_length = _count(meta, f"{arch}.attention.value_length")
     kv_per_layer = []
     for i in range(n_layer):
         h = n_head[i]
         hkv = n_head_kv[i]
         head_dim = n_embd // h if h else 0
-        k_len = int(get(f"{arch}.attention.key_length") or head_dim)
-        v_len = int(get(f"{arch}.attention.value_length") or head_dim)
+        k_len = key_length or head_dim
+        v_len = value_length or head_dim
         kv_per_layer.append((k_len * hkv, v_len * hkv))
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_tokens = tokens.length if isinstance(tokens, LongArray) else len(tokens or [])
-    n_vocab = int(get(f"{arch}.vocab_size") or n_tokens)
+    n_tokens = tokens.length if isinstance(tokens, LongArray) else 0
+    if isinstance(tokens, list):
+        n_tokens = len(tokens)
+    n_vocab = _count(meta, f"{arch}.vocab_size") or n_tokens
     blocks = [0] * n_layer
     embd = other = 0
     for t in tensors:
@@ -135,7 +173,7 @@ def read_facts(path: str) -> GgufFacts:
         n_embd=n_embd,
         n_ff=n_ff,
         n_vocab=n_vocab,
-        n_ctx_train=int(get(f"{arch}.context_length") or 0),
+        n_ctx_train=_count(meta, f"{arch}.context_length"),
         kv_per_layer=tuple(kv_per_layer),
         block_bytes=tuple(blocks),
         embd_bytes=embd,
@@ -149,14 +187,20 @@ _cache_lock = threading.Lock()
 
 
 def facts_of(path: str) -> GgufFacts:
-    """`read_facts`, cached by (path, size, mtime): a big vocabulary takes a while to parse."""
+    """`read_facts`, cached by (path, size, mtime): a big vocabulary takes a while to parse.
+    Raises OSError or ValueError."""
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     with _cache_lock:
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    facts = read_facts(path)
+    try:
+        facts = read_facts(path)
+    except (TypeError, RecursionError, OverflowError) as err:
+        # A header shaped in a way the reader does not expect: an unreadable model (422, or a
+        # start without a fit check), never a 500.
+        raise ValueError(f"cannot read GGUF header of {path}: {err!r}") from None
     with _cache_lock:
         if len(_cache) > 256:
             _cache.clear()

@@ -18,6 +18,9 @@ from typing import Any
 MAGIC = b"GGUF"
 # Arrays longer than this are kept as their length only (vocabularies, merges, scores).
 MAX_DECODED_ARRAY = 4096
+# Arrays of arrays nested deeper than this are refused: no real model nests them, and a few
+# bytes per level would otherwise recurse until Python's stack gives out.
+MAX_ARRAY_DEPTH = 8
 _SCALARS = {
     0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
     6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
@@ -64,17 +67,19 @@ class _Cursor:
             pos += 8 + unpack(buf, pos)[0]
         self.pos = pos
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             fmt, size = _SCALARS[vtype]
             return self.unpack(fmt, size)
         if vtype == STRING:
             return self.string()
         if vtype == ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"metadata arrays nested deeper than {MAX_ARRAY_DEPTH}")
             etype = self.unpack("<I", 4)
             count = self.unpack("<Q", 8)
             if count <= MAX_DECODED_ARRAY:
-                return [self.value(etype) for _ in range(count)]
+                return [self.value(etype, depth + 1) for _ in range(count)]
             if etype in _SCALARS:
                 self.pos += count * _SCALARS[etype][1]
             elif etype == STRING:

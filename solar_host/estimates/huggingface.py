@@ -11,11 +11,12 @@ context and the torch allocator's cache.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from solar_host.estimates.model import CPU, Device, DeviceEstimate, Estimate, EstimateError
-from solar_host.estimates.safetensors import TARGET_BYTES, read_model
+from solar_host.estimates.safetensors import TARGET_BYTES, is_count, read_model
 
 GPU_RUNTIME_BYTES = 256 * 1024**2
 ENCODER_FLOATS_PER_UNIT = 16
@@ -30,6 +31,25 @@ def model_dir_of(config: Any) -> Path:
             "model_id", "estimates need a local model directory (pull the model first)"
         )
     return p
+
+
+def config_count(cfg: dict[str, Any], *keys: str, default: int = 0) -> int:
+    """The first of `keys` that config.json sets to a non-zero size, else `default`. Raises
+    EstimateError naming the key when its value is not a non-negative integer."""
+    for key in keys:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # 4096.0: a size all the same
+        if not is_count(value):
+            text = repr(value)[:40]
+            raise EstimateError(
+                "model_id", f"config.json: {key} must be a non-negative integer, not {text}"
+            )
+        if value:
+            return value
+    return default
 
 
 def dtype_bytes(config: Any, stored: dict[str, Any]) -> tuple[str, int]:
@@ -49,11 +69,11 @@ def estimate_huggingface(config: Any, gpus: list[Device]) -> Estimate:
     except (OSError, ValueError) as err:
         raise EstimateError("model_id", str(err)) from None
     cfg = facts.config
-    hidden = int(cfg.get("hidden_size") or cfg.get("d_model") or 0)
-    layers = int(cfg.get("num_hidden_layers") or cfg.get("n_layer") or 0)
-    heads = int(cfg.get("num_attention_heads") or 1)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or (hidden // heads if heads else 0))
+    hidden = config_count(cfg, "hidden_size", "d_model")
+    layers = config_count(cfg, "num_hidden_layers", "n_layer")
+    heads = config_count(cfg, "num_attention_heads", default=1)
+    kv_heads = config_count(cfg, "num_key_value_heads", default=heads)
+    head_dim = config_count(cfg, "head_dim", default=hidden // heads)
     batch = int(config.max_batch_size)
     if config.backend_type in CAUSAL:
         activations = 2 * layers * kv_heads * head_dim * config.max_length * nbytes

@@ -28,11 +28,19 @@ class Device:
 
 @dataclass(slots=True)
 class DeviceEstimate:
+    """Bytes a backend takes on one device. Every byte count is clamped at 0 when set: a
+    negative hold would add free memory for other starts (a model file can be hostile)."""
+
     device: str
     weights_bytes: int = 0
     kv_cache_bytes: int = 0
     compute_bytes: int = 0
     extra_files_bytes: int = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "device":
+            value = max(int(value), 0)
+        object.__setattr__(self, name, value)
 
     @property
     def total_bytes(self) -> int:

@@ -14,8 +14,18 @@ Multi-GPU hosts: the VRAM dimension is the SUM over all NVIDIA GPUs (as upstream
 placement expect). A 16 GiB request on two 8 GiB GPUs therefore fits by these figures although no
 single GPU holds it; the job itself decides how to split across devices.
 
-One lock guards check-and-insert, and the system usage for the check is read inside it, so
-concurrent creates can never together exceed what was available.
+CPU hosts (no NVIDIA GPU, decided once: see SystemUsage.gpu_host): a VRAM request is counted
+as RAM. Reservations are stored as requested; the fold happens only in the accounting and the
+views, so one failed NVML read on a GPU host cannot turn a VRAM claim into a RAM claim.
+
+Expiry: a reservation whose expires_at has passed counts nowhere (snapshot, summary, the fit
+check, a create's check) from that moment, not only once the cleanup sweep removes it; one whose
+job runs stays until the job ends (`in_force`).
+
+One lock guards check-and-insert, and the system usage for the check is read inside it by the
+caller's `read_usage`, which must read the probe fresh (ResourceService.create does; the 1 s
+cache of snapshots could still show the memory of a start that has just finished loading as
+free), so concurrent creates can never together exceed what was available.
 """
 
 from __future__ import annotations
@@ -43,15 +53,24 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class SystemUsage:
-    """What the machine has and uses. `vram` is None on hosts without an NVIDIA GPU."""
+    """What the machine has and uses; a dimension that could not be read is None.
+
+    `gpu_host`: the host has NVIDIA GPUs (True), has none (False), or cannot tell (None). On a
+    GPU host a None `vram` is a failed read, not a CPU host."""
 
     vram: Capacity | None
     ram: Capacity | None
     disk: Capacity | None
+    gpu_host: bool | None = None
+
+    @property
+    def fold_vram(self) -> bool:
+        """VRAM requests count as RAM (a CPU host)."""
+        return self.gpu_host is False
 
     @property
     def memory_type(self) -> str:
-        return "VRAM" if self.vram is not None else "RAM"
+        return "VRAM" if self.vram is not None or self.gpu_host else "RAM"
 
     def get(self, dim: str) -> Capacity | None:
         return getattr(self, dim)
@@ -73,6 +92,24 @@ class CapacityExceeded(Exception):
             "requested_gb": self.requested_gb,
             "available_gb": self.available_gb,
         }
+
+
+class DimensionUnreadable(Exception):
+    """A request asks for a dimension the probe cannot read now: it cannot be checked (503)."""
+
+    WHAT = {
+        "vram": ("this host's GPUs (NVML)", "VRAM"),
+        "ram": ("this host's memory", "RAM"),
+        "disk": ("the filesystem of MODELS_DIR", "disk"),
+    }
+
+    def __init__(self, dim: str):
+        what, name = self.WHAT.get(dim, (dim, dim))
+        super().__init__(
+            f"Cannot read {what} right now, so a request for {name} cannot be checked; "
+            "nothing was reserved. Try again shortly."
+        )
+        self.dimension = dim
 
 
 class ReservationNotFound(KeyError):
@@ -122,22 +159,32 @@ class Reservation:
     def actual(self, dim: str) -> float | None:
         return getattr(self, f"actual_{dim}_gb")
 
-    def headroom(self, dim: str, running: bool) -> float:
+    def amounts(self, dim: str, fold: bool) -> tuple[float, float | None]:
+        """(reserved, actual) GiB of `dim`. `fold` (a CPU host): VRAM asked for is RAM, and
+        what the job uses of it is measured as RAM."""
+        if not fold or dim == "disk":
+            return self.reserved(dim), self.actual(dim)
+        if dim == "vram":
+            return 0.0, None
+        actuals = [a for a in (self.actual_ram_gb, self.actual_vram_gb) if a is not None]
+        return self.reserved("ram") + self.reserved("vram"), (sum(actuals) if actuals else None)
+
+    def headroom(self, dim: str, running: bool, fold: bool = False) -> float:
         """What this reservation adds to the reported use of `dim`."""
-        reserved = self.reserved(dim)
+        reserved, actual = self.amounts(dim, fold)
         if not running:
             return reserved
-        return max(reserved - (self.actual(dim) or 0.0), 0.0)
+        return max(reserved - (actual or 0.0), 0.0)
 
-    def view(self, running: bool) -> dict[str, Any]:
+    def view(self, running: bool, fold: bool = False) -> dict[str, Any]:
         return {
             "id": self.id,
             "job_id": self.job_id,
             "workload_type": self.workload_type,
             "requester": self.requester,
             "status": "running" if running else "pending",
-            "vram_gb": float(self.vram_gb),
-            "ram_gb": float(self.ram_gb),
+            "vram_gb": float(self.amounts("vram", fold)[0]),
+            "ram_gb": float(self.amounts("ram", fold)[0]),
             "disk_gb": self.disk_gb,
             "actual_vram_gb": self.actual_vram_gb if running else None,
             "actual_ram_gb": self.actual_ram_gb if running else None,
@@ -145,6 +192,12 @@ class Reservation:
             "expires_at": iso_z(self.expires_at),
             "created_at": iso_z(self.created_at),
         }
+
+
+def in_force(res: Reservation, running: bool, now: datetime) -> bool:
+    """Whether a reservation holds capacity now: not yet expired, or its job runs (a running
+    job's reservation is kept until the job ends). The one test of every reader and the sweep."""
+    return running or res.expires_at is None or res.expires_at > now
 
 
 def iso_z(value: datetime | None) -> str | None:
@@ -188,34 +241,53 @@ class Ledger:
         except Exception:  # a broken job view must not break accounting: count it in full
             return False
 
+    def _live(self, now: datetime | None) -> list[tuple[Reservation, bool]]:
+        """(reservation, its job runs) of every reservation in force; call under the lock."""
+        now = now or datetime.now(UTC)
+        out = []
+        for r in self._items.values():
+            running = self._running(r)
+            if in_force(r, running, now):
+                out.append((r, running))
+        return out
+
+    @staticmethod
+    def _headroom(live: list[tuple[Reservation, bool]], fold: bool) -> dict[str, float]:
+        return {
+            dim: sum(r.headroom(dim, running, fold) for r, running in live) for dim in DIMENSIONS
+        }
+
+    @staticmethod
     def _dimensions(
-        self, usage: SystemUsage, running: dict[str, bool]
+        usage: SystemUsage, live: list[tuple[Reservation, bool]]
     ) -> dict[str, dict[str, float] | None]:
+        headroom = Ledger._headroom(live, usage.fold_vram)
         out: dict[str, dict[str, float] | None] = {}
         for dim in DIMENSIONS:
             cap = usage.get(dim)
-            if cap is None:
-                out[dim] = None
-                continue
-            headroom = sum(r.headroom(dim, running[r.id]) for r in self._items.values())
-            out[dim] = dimension(cap, headroom)
+            out[dim] = None if cap is None else dimension(cap, headroom[dim])
         return out
 
-    def snapshot(self, usage: SystemUsage) -> dict[str, Any]:
+    def snapshot(self, usage: SystemUsage, now: datetime | None = None) -> dict[str, Any]:
         with self._lock:
-            running = {r.id: self._running(r) for r in self._items.values()}
-            dims = self._dimensions(usage, running)
-            views = [r.view(running[r.id]) for r in self._items.values()]
+            live = self._live(now)
+            dims = self._dimensions(usage, live)
+            views = [r.view(running, usage.fold_vram) for r, running in live]
         return {"memory_type": usage.memory_type, **dims, "reservations": views}
 
-    def summary(self, usage: SystemUsage) -> dict[str, Any]:
+    def summary(self, usage: SystemUsage, now: datetime | None = None) -> dict[str, Any]:
         """The legacy host_health `reservations` block: a count and the dimensions present."""
         with self._lock:
-            running = {r.id: self._running(r) for r in self._items.values()}
-            dims = self._dimensions(usage, running)
-            out: dict[str, Any] = {"active_count": len(self._items)}
+            live = self._live(now)
+            dims = self._dimensions(usage, live)
+            out: dict[str, Any] = {"active_count": len(live)}
         out.update({k: v for k, v in dims.items() if v is not None})
         return out
+
+    def headroom_gb(self, fold: bool, now: datetime | None = None) -> dict[str, float]:
+        """GiB kept by reservations in force per dimension, unrounded (the fit check)."""
+        with self._lock:
+            return self._headroom(self._live(now), fold)
 
     def create(
         self,
@@ -225,7 +297,8 @@ class Ledger:
         default_ttl_s: float | None,
         now: datetime | None = None,
     ) -> dict[str, Any]:
-        """Check capacity and insert, atomically. Raises CapacityExceeded."""
+        """Check capacity and insert, atomically. Raises CapacityExceeded, or
+        DimensionUnreadable when a dimension asked for cannot be read."""
         now = now or datetime.now(UTC)
         if req.expires_at is not None:
             expires: datetime | None = req.expires_at
@@ -235,33 +308,32 @@ class Ledger:
             expires = now + timedelta(seconds=min(default_ttl_s, MAX_TTL_SECONDS))
         else:
             expires = None
+        res = Reservation(
+            id="",  # named once admitted
+            job_id=req.job_id,
+            workload_type=req.workload_type,
+            requester=req.requester,
+            vram_gb=float(req.vram_gb),  # as requested: a CPU host folds it when counting
+            ram_gb=float(req.ram_gb),
+            disk_gb=req.disk_gb,
+            created_at=now,
+            expires_at=expires,
+        )
         with self._lock:
-            usage = read_usage()  # inside the lock: see the module docstring
-            vram, ram = float(req.vram_gb), float(req.ram_gb)
-            if usage.vram is None:  # no VRAM dimension: the memory a job needs is RAM
-                vram, ram = 0.0, ram + vram
-            wanted = {"vram": vram, "ram": ram, "disk": req.disk_gb}
-            running = {r.id: self._running(r) for r in self._items.values()}
-            dims = self._dimensions(usage, running)
+            usage = read_usage()  # inside the lock, read fresh: see the module docstring
+            dims = self._dimensions(usage, self._live(now))
             for dim in DIMENSIONS:
-                asked, dim_now = wanted[dim], dims[dim]
-                if not asked or dim_now is None:
+                asked = res.amounts(dim, usage.fold_vram)[0]
+                if not asked:
                     continue
+                dim_now = dims[dim]
+                if dim_now is None:  # a failed read must not leave the request unchecked
+                    raise DimensionUnreadable(dim)
                 if asked > dim_now["available_gb"]:
                     raise CapacityExceeded(dim, round(asked, 4), dim_now["available_gb"])
-            res = Reservation(
-                id=new_reservation_id(),
-                job_id=req.job_id,
-                workload_type=req.workload_type,
-                requester=req.requester,
-                vram_gb=vram,
-                ram_gb=ram,
-                disk_gb=req.disk_gb,
-                created_at=now,
-                expires_at=expires,
-            )
+            res.id = new_reservation_id()
             self._items[res.id] = res
-            return res.view(self._running(res))
+            return res.view(self._running(res), usage.fold_vram)
 
     def release(self, reservation_id: str) -> Reservation:
         with self._lock:
@@ -279,7 +351,7 @@ class Ledger:
         removed = []
         with self._lock:
             for res in list(self._items.values()):
-                if res.expires_at is not None and res.expires_at <= now and not self._running(res):
+                if not in_force(res, self._running(res), now):
                     del self._items[res.id]
                     removed.append(res.id)
         return removed
@@ -316,7 +388,15 @@ class Ledger:
         with self._lock:
             self._items.pop(reservation_id, None)
 
-    def get(self, reservation_id: str) -> dict[str, Any] | None:
+    def get(
+        self, reservation_id: str, fold: bool = False, now: datetime | None = None
+    ) -> dict[str, Any] | None:
+        """The view of a reservation in force (None: unknown or expired)."""
         with self._lock:
             res = self._items.get(reservation_id)
-            return None if res is None else res.view(self._running(res))
+            if res is None:
+                return None
+            running = self._running(res)
+            if not in_force(res, running, now or datetime.now(UTC)):
+                return None
+            return res.view(running, fold)

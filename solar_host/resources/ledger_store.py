@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from solar_host.resources.ledger import Reservation
+from solar_host.resources.ledger import Reservation, in_force
 from solar_host.statefiles import (
     PRIVATE,
     GroupCommit,
@@ -102,7 +102,7 @@ class ReservationStore:
             return []
         out: list[Reservation] = []
         for res in parse_reservations(self.path, raw):
-            if res.expires_at is not None and res.expires_at <= now:
+            if not in_force(res, False, now):  # no job of it runs before the host has started
                 log.info("reservation %s expired while the host was down; dropped", res.id)
                 continue
             out.append(res)

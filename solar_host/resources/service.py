@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -24,12 +25,27 @@ from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# System figures are re-read at most this often: a burst of snapshots must not hammer NVML.
+# System figures for snapshots are re-read at most this often: a burst of snapshots must not
+# hammer NVML. A reservation's capacity check never uses them (it reads the probe fresh).
 SYSTEM_READ_TTL_S = 1.0
 
 
-def read_system_usage(probe: SystemProbe, disk_path: Any) -> SystemUsage:
-    """Totals and use per dimension; a failing probe leaves that dimension out (None)."""
+def probe_gpu_host(probe: SystemProbe) -> bool | None:
+    """Whether the probe says this is an NVIDIA host; None when it cannot say."""
+    try:
+        return probe.gpu_type() == "nvidia_cuda"
+    except Exception as err:
+        log.warning("GPU type probe failed: %s", err)
+        return None
+
+
+def read_system_usage(
+    probe: SystemProbe, disk_path: Any, gpu_host: bool | None = None
+) -> SystemUsage:
+    """Totals and use per dimension; a failing probe leaves that dimension out (None).
+
+    `gpu_host`: what the caller knows of the host (None: ask the probe). GPUs seen now make
+    it a GPU host whatever was said."""
     vram = ram = disk = None
     try:
         gpus = probe.gpus()
@@ -38,8 +54,11 @@ def read_system_usage(probe: SystemProbe, disk_path: Any) -> SystemUsage:
                 total_bytes=sum(g.total_bytes for g in gpus),
                 used_bytes=sum(g.used_bytes for g in gpus),
             )
+            gpu_host = True
     except Exception as err:
         log.warning("GPU probe failed: %s", err)
+    if gpu_host is None:
+        gpu_host = probe_gpu_host(probe)
     try:
         r = probe.ram()
         ram = Capacity(total_bytes=r.total_bytes, used_bytes=r.used_bytes)
@@ -51,7 +70,7 @@ def read_system_usage(probe: SystemProbe, disk_path: Any) -> SystemUsage:
             disk = Capacity(total_bytes=d.total_bytes, used_bytes=d.used_bytes)
     except Exception as err:
         log.warning("disk probe failed: %s", err)
-    return SystemUsage(vram=vram, ram=ram, disk=disk)
+    return SystemUsage(vram=vram, ram=ram, disk=disk, gpu_host=gpu_host)
 
 
 def loading_bytes(holds: list[dict[str, Any]]) -> tuple[int, int]:
@@ -66,10 +85,11 @@ def loading_bytes(holds: list[dict[str, Any]]) -> tuple[int, int]:
     return gpu, cpu
 
 
-def add_loading(doc: dict[str, Any], holds: list[dict[str, Any]]) -> None:
-    """Count loading instances' estimates as capacity in use in a snapshot or summary."""
+def add_loading(doc: dict[str, Any], holds: list[dict[str, Any]], fold: bool) -> None:
+    """Count loading instances' estimates as capacity in use in a snapshot or summary.
+    `fold`: a CPU host, where all of it is RAM."""
     gpu, cpu = loading_bytes(holds)
-    if doc.get("vram") is None:
+    if fold:
         cpu, gpu = cpu + gpu, 0
     for dim, extra in (("vram", gpu), ("ram", cpu)):
         block = doc.get(dim)
@@ -101,6 +121,10 @@ class ResourceService:
         self._background_saves: set[asyncio.Task[None]] = set()
         self._system = CachedValue(SYSTEM_READ_TTL_S)
         self._system_lock = threading.Lock()
+        # Whether the host has NVIDIA GPUs: decided once (the first answer of the probe, or GPUs
+        # seen), so that one failed NVML read never makes a GPU host count as a CPU host.
+        self._gpu_host: bool | None = None
+        self._gpu_host_lock = threading.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self.usage_refreshes = 0
         self.cleanup_runs = 0
@@ -113,22 +137,41 @@ class ResourceService:
         jobs = self.jobs
         return jobs is not None and bool(jobs.is_running(job_id))
 
+    def gpu_host(self) -> bool | None:
+        """True on a host with NVIDIA GPUs, False on one without, None while undecided (the
+        probe could not say). Sticky once decided."""
+        with self._gpu_host_lock:
+            if self._gpu_host is None:
+                self._gpu_host = probe_gpu_host(self.probe)
+            return self._gpu_host
+
+    def read_usage(self) -> SystemUsage:
+        """The system usage, read from the probe now."""
+        usage = read_system_usage(self.probe, self.settings.models_dir, self.gpu_host())
+        if usage.gpu_host:  # GPUs seen: a GPU host from now on, whatever the probe said first
+            with self._gpu_host_lock:
+                self._gpu_host = True
+        return usage
+
     def system_usage(self) -> SystemUsage:
+        """The system usage for snapshots, at most SYSTEM_READ_TTL_S old."""
         with self._system_lock:
-            return self._system.get(lambda: read_system_usage(self.probe, self.settings.models_dir))
+            return self._system.get(self.read_usage)
 
     def snapshot(self) -> dict[str, Any]:
         """The ResourceSnapshot (JSON-ready): `GET /resources` and `host_health.resources`."""
-        snap = self.ledger.snapshot(self.system_usage())
+        usage = self.system_usage()
+        snap = self.ledger.snapshot(usage)
         holds = self._loading()
-        add_loading(snap, holds)
+        add_loading(snap, holds, usage.fold_vram)
         snap["loading_instances"] = holds
         return snap
 
     def health_summary(self) -> dict[str, Any]:
         """Legacy host_health block: {active_count, vram?, ram?, disk?}."""
-        summary = self.ledger.summary(self.system_usage())
-        add_loading(summary, self._loading())
+        usage = self.system_usage()
+        summary = self.ledger.summary(usage)
+        add_loading(summary, self._loading(), usage.fold_vram)
         return summary
 
     def _loading(self) -> list[dict[str, Any]]:
@@ -142,19 +185,17 @@ class ResourceService:
             return []
 
     def reserved_bytes(self) -> dict[str, int]:
-        """What reservations keep, as the fit check counts it: {"gpu": bytes, "cpu": bytes}."""
-        summary = self.ledger.summary(self.system_usage())
-        out = {}
-        for dim, key in (("vram", "gpu"), ("ram", "cpu")):
-            block = summary.get(dim)
-            if isinstance(block, dict):
-                out[key] = int(block.get("reserved_headroom_gb", 0.0) * GB)
-        return out
+        """What reservations keep, as the fit check counts it: {"gpu": bytes, "cpu": bytes}
+        (on a CPU host all of it is "cpu")."""
+        headroom = self.ledger.headroom_gb(fold=self.gpu_host() is False)
+        return {"gpu": int(headroom["vram"] * GB), "cpu": int(headroom["ram"] * GB)}
 
-    def _usage_with_loading(self) -> SystemUsage:
-        """System usage with the holds of loading instances counted as used: a reservation
-        cannot take memory a start is about to fill."""
-        usage = self.system_usage()
+    def _fresh_usage_with_loading(self) -> SystemUsage:
+        """System usage read now, with the holds of loading instances counted as used: a
+        reservation cannot take memory a start is about to fill. Not the snapshot cache: a
+        start that finished loading within its second has dropped its hold, but the cached
+        figures would not show its memory yet."""
+        usage = self.read_usage()
         gpu, cpu = loading_bytes(self._loading())
 
         def more(cap: Capacity | None, extra: int) -> Capacity | None:
@@ -162,17 +203,17 @@ class ResourceService:
                 return cap
             return Capacity(cap.total_bytes, cap.used_bytes + extra)
 
-        if usage.vram is None:
-            return SystemUsage(vram=None, ram=more(usage.ram, gpu + cpu), disk=usage.disk)
-        return SystemUsage(vram=more(usage.vram, gpu), ram=more(usage.ram, cpu), disk=usage.disk)
+        if usage.fold_vram:
+            return replace(usage, ram=more(usage.ram, gpu + cpu))
+        return replace(usage, vram=more(usage.vram, gpu), ram=more(usage.ram, cpu))
 
     def get(self, reservation_id: str) -> dict[str, Any] | None:
-        return self.ledger.get(reservation_id)
+        return self.ledger.get(reservation_id, fold=self.gpu_host() is False)
 
     # --- durable changes (the REST routes) ------------------------------------------------------
     async def reserve(self, req: ReservationRequest) -> dict[str, Any]:
-        """create(), answered once the ledger file holds it. Raises CapacityExceeded, or
-        LedgerNotPersisted (the reservation is undone)."""
+        """create(), answered once the ledger file holds it. Raises CapacityExceeded,
+        DimensionUnreadable, or LedgerNotPersisted (the reservation is undone)."""
         view = self.create(req, persist=False)
         try:
             await self.store.commit()
@@ -221,14 +262,16 @@ class ResourceService:
 
     # --- changes (call from the event-loop thread: they publish) ------------------------------
     def create(self, req: ReservationRequest, *, persist: bool = True) -> dict[str, Any]:
-        """Reserve capacity; the view of the new reservation. Raises CapacityExceeded.
+        """Reserve capacity; the view of the new reservation. Raises CapacityExceeded, or
+        DimensionUnreadable when a dimension it asks for cannot be read now (503).
 
         Written to the ledger file in the background; `reserve()` waits for the write."""
-        # Expired reservations must not refuse a request while they wait for the next sweep.
+        # Expired reservations already count nowhere (ledger.in_force); sweeping them here also
+        # takes them out of the ledger file with this write.
         self.cleanup_expired(count_run=False)
         view = self.ledger.create(
             req,
-            self._usage_with_loading,
+            self._fresh_usage_with_loading,
             default_ttl_s=self.settings.default_reservation_ttl_seconds,
         )
         log.info(
