@@ -34,9 +34,13 @@ def unstorable(
     value: Any, loc: tuple[Any, ...] = (), depth: int = 0
 ) -> tuple[tuple[Any, ...], str] | None:
     """Where `value` holds what no file, log or answer can keep, and why: a string (key or
-    value) that is not valid Unicode, or nesting past MAX_DEPTH."""
+    value) that is not valid Unicode, a NaN or infinity (Python's json reads them; strict JSON
+    has no spelling for them, so a kept one became null or an invalid file), or nesting past
+    MAX_DEPTH."""
     if isinstance(value, str):
         return (loc, NOT_UNICODE) if _bad(value) else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return loc, NOT_FINITE
     if isinstance(value, dict | list | tuple) and depth >= MAX_DEPTH:
         return loc, TOO_DEEP
     if isinstance(value, dict):
@@ -72,6 +76,7 @@ def scrub(value: Any, depth: int = 0) -> Any:
 
 
 NOT_UNICODE = "must be valid Unicode text (a lone UTF-16 surrogate is not)"
+NOT_FINITE = "must be a finite number (NaN and Infinity are not JSON)"
 
 
 def refusal(found: tuple[tuple[Any, ...], str], prefix: str = "") -> str:

@@ -171,6 +171,30 @@ def test_a_lone_surrogate_in_a_config_cannot_poison_the_store(
         assert len(c.get("/instances").json()) == 0
 
 
+NAN_BODIES = [
+    ("/instances", json.dumps({"config": config(alias="nan", foo=1)}).replace(
+        '"foo": 1', '"foo": NaN'), 422, "foo"),
+    ("/models/pull", '{"source": "huggingface", "source_uri": "a/b", "metadata": {"x": NaN}}',
+     422, "metadata.x"),
+    ("/jobs", '{"name": "j", "image": "busybox", "training_config": {"x": Infinity}}',
+     400, "training_config.x"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "status", "field"), NAN_BODIES)
+def test_nan_and_infinity_are_refused_wherever_they_would_be_kept(
+    host: HostProc, path: str, body: str, status: int, field: str
+) -> None:
+    """Python's json reads NaN and Infinity; strict JSON cannot hold them. Kept in a free-form
+    field they became null in config.json (an unknown config key: "kept unchanged" it was not)
+    or a literal NaN in a pull's manifest.json, which is then not JSON at all."""
+    with fresh(host) as c:
+        r = c.post(path, content=body.encode())
+        assert r.status_code == status, (r.status_code, r.text[:300])
+        assert field in r.text and "finite" in r.text
+        assert c.get("/instances").json() == [] and c.get("/models").json() in ([], {})
+
+
 # --- 3. forged lines in the host's log ---------------------------------------------------------
 
 

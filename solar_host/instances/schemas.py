@@ -28,7 +28,7 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
-from solar_host.textsafe import NOT_UNICODE, unstorable
+from solar_host.textsafe import NOT_FINITE, NOT_UNICODE, unstorable
 from solar_host.tracked import Tracked
 
 InstanceConfig = Annotated[
@@ -212,7 +212,8 @@ def parse_config(
         # A lone surrogate (JSON "\\ud800") or nesting past MAX_DEPTH would be kept in memory
         # and then fail every write of config.json and every answer that echoes the config.
         loc, why = bad
-        raise _error(loc, why, "string_unicode" if why == NOT_UNICODE else "too_deep")
+        kind = {NOT_UNICODE: "string_unicode", NOT_FINITE: "finite_number"}.get(why, "too_deep")
+        raise _error(loc, why, kind)
     raw = migrate_config(raw)
     bt = raw.get("backend_type")
     if bt not in BACKEND_TYPES:
