@@ -13,6 +13,7 @@ import pytest
 
 from solar_host.backends.registry import BackendRegistry
 from solar_host.control.payloads import PayloadBuilder
+from solar_host.instances.errors import InstanceConflict
 from tests.fixtures.gguf_sized import Shape, write_sized_gguf
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.probes import FakeProbe
@@ -291,3 +292,38 @@ async def test_start_of_a_model_the_estimate_cannot_read_is_no_500(tmp_path: Pat
         assert r.status_code == 200, r.text
         assert r.json()["instance"]["placed_devices"] is None  # started unchecked
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
+
+
+async def test_a_backend_adopted_while_loading_holds_its_estimate(
+    tmp_path: Path, model: Path
+) -> None:
+    """The host restarted (KEEP_BACKENDS_ON_SHUTDOWN, a hand-over, a crash) while an instance
+    was loading: the adopted backend holds its estimate until it is ready, as the start that
+    spawned it did; without it a second start was admitted onto the memory it was filling."""
+    probe = FakeProbe(gpus=[(1.0, 0.0)])
+    settings = host_settings(
+        tmp_path, model_roots=str(model.parent), keep_backends_on_shutdown=True
+    )
+    a = cfg(tmp_path, model, "--ready-after", "30", alias="a")
+    async with running_host(settings, backends=registry(), probe=probe) as h:
+        need = await gpu_need(h, a)
+        probe.set_gpus((1.0, 1.0 - need * 1.5 / 1024**3))  # room for one copy
+        ia = await create(h, a)
+        sup = h.instances.supervisor(ia)
+        starting = asyncio.create_task(sup.start())
+        for _ in range(200):
+            if sup.proc is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.proc is not None, "the backend was not spawned"
+    with pytest.raises(InstanceConflict):  # the shutdown ended the start; the backend loads on
+        await starting
+    async with running_host(settings, backends=registry(), probe=probe) as h:
+        assert (await h.client.get(f"/instances/{ia}")).json()["status"] == "starting"
+        snap = (await h.client.get("/resources")).json()
+        assert [x["instance_id"] for x in snap["loading_instances"]] == [ia]
+        ib = await create(h, cfg(tmp_path, model, "--ready-after", "0.1", alias="b"))
+        r = await h.client.post(f"/instances/{ib}/start")
+        assert r.status_code == 409, r.text
+        await h.client.post(f"/instances/{ia}/stop")
+        assert (await h.client.get("/resources")).json()["loading_instances"] == []

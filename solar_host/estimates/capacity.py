@@ -274,6 +274,30 @@ class CapacityGate:
         )
         return placement
 
+    async def hold_adopted(self, instance_id: str, config: Any, placed: list[str] | None) -> None:
+        """A backend adopted while still loading (the host restarted mid-start): hold its
+        estimate on the devices it was placed on, as the start that spawned it did, until
+        `release`. Never refused: it is already there. Without the hold, the memory it is
+        about to take counted nowhere and other starts were admitted onto it."""
+        try:
+            placement = await asyncio.to_thread(self._placement_on, instance_id, config, placed)
+        except EstimateError as err:
+            log.warning("no memory estimate for adopted %s, nothing held: %s", instance_id, err)
+            return
+        with self._lock:
+            self._holds[instance_id] = placement
+            self.placements[instance_id] = placement
+
+    def _placement_on(self, instance_id: str, config: Any, placed: list[str] | None) -> Placement:
+        named = [d for d in self.devices() if d.name in (placed or ())]
+        gpus = [d for d in named if d.is_gpu]
+        if not named:  # placed nowhere known (an older record): where a start would go now
+            return self.place(instance_id, config)[0]
+        est = estimate_config(config, gpus)
+        p = Placement(instance_id, est, [d.index for d in gpus if d.index is not None], False)
+        p.needs = est.by_device()
+        return p
+
     def release(self, instance_id: str) -> None:
         with self._lock:
             self._holds.pop(instance_id, None)

@@ -1,4 +1,4 @@
-"""The three calls the start path makes into the capacity gate (each one line there).
+"""The calls the start path makes into the capacity gate (each one line there).
 
 They take the supervisor and do nothing when the manager has no gate (a manager built
 without one, as some tests do).
@@ -16,6 +16,14 @@ async def admit_start(sup: Any) -> None:
         return
     placement = await gate.admit(sup.id, sup.instance.config)
     sup.instance.placed_devices = placement.device_names if placement is not None else None
+
+
+async def hold_adopted(sup: Any) -> None:
+    """An adopted backend still loading: its estimate is held until its readiness (end_start)."""
+    gate = getattr(sup.m, "capacity", None)
+    if gate is not None:
+        inst = sup.instance
+        await gate.hold_adopted(sup.id, inst.config, inst.placed_devices)
 
 
 def end_start(sup: Any) -> None:

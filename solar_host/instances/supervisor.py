@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
-from solar_host.estimates.hooks import admit_start, apply_placement, end_start
+from solar_host.estimates.hooks import admit_start, apply_placement, end_start, hold_adopted
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import confinement, ownership, preflight
 from solar_host.instances import process as procs
@@ -951,13 +951,21 @@ class Supervisor:
         # of the start that spawned it, never killed and loaded again.
         self.set_status(S.STARTING, reason="adopted", started_at=None, **fields)
         self._ready = asyncio.Event()
+        # Held before boot starts anything else, as the start that spawned it held it.
+        await hold_adopted(self)
         self.start_task = asyncio.create_task(
-            self._attach_adopted(proc, rec, loading=True), name=f"adopt:{self.id}"
+            self._adopted_loading(proc, rec), name=f"adopt:{self.id}"
         )
         log.info(
             "re-adopted backend pid %s of %s on port %s, still loading", proc.pid, self.id, rec.port
         )
         return "starting"
+
+    async def _adopted_loading(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
+        try:
+            return await self._attach_adopted(proc, rec, loading=True)
+        finally:
+            end_start(self)  # its memory is in the probe's figures from now on, or gone
 
     async def _attach_adopted(
         self, proc: procs.BackendProcess, rec: ProcessRecord, *, loading: bool
