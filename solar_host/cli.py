@@ -15,7 +15,13 @@ http://127.0.0.1:$PORT; the key is --api-key, else API_KEY, else the key the hos
 beside CONFIG_FILE. Output is a table (or --json for scripts); errors go to stderr.
 
 Exit codes: 0 ok, 1 the operation failed (or no instance has that name), 2 usage or
-configuration error (or the name is ambiguous), 3 host unreachable, 4 the host refused the key.
+configuration error (or the name is ambiguous), 3 host unreachable (or what answered is not a
+solar-host: not JSON, or JSON of another shape), 4 the host refused the key, 141 the reader of
+the output went away early (`solar-host logs I | head`: quietly, as SIGPIPE ends other tools).
+
+Text the host sends (aliases, statuses, error details) is shown with its control characters
+spelled as \\xNN, so that it cannot drive the terminal; `logs` and --json output are left as
+sent.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -32,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from solar_host.cli_format import human_bytes, print_json, table
+from solar_host.cli_format import human_bytes, print_json, table, visible
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_AUTH = 4
+# What a shell reports for a tool ended by SIGPIPE (128 + 13): the pipe's reader went away.
+EXIT_BROKEN_PIPE = 141
 
 INSTANCE_HELP = "alias, id or unique id prefix"
 
@@ -102,12 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="solar-host agent: serve (default), or talk to a running host.",
         epilog="Instances are named by alias, id or unique id prefix. Exit codes: 0 ok, "
         "1 operation failed or no such instance, 2 usage or config error or ambiguous name, "
-        "3 host unreachable, 4 API key refused.",
+        "3 host unreachable or not a solar-host, 4 API key refused, 141 output pipe closed.",
     )
     p.add_argument("--version", action="version", version=f"solar-host {__version__}")
     p.add_argument("--host", help="bind address (overrides HOST)")
     p.add_argument("--port", type=int, help="port (overrides PORT)")
-    p.add_argument("--env-file", default=".env", help="settings file (default: ./.env)")
+    # None: the implicit ./.env, which may be absent; a file named here must exist.
+    p.add_argument("--env-file", default=None, help="settings file (default: ./.env)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for local in LOCAL_COMMANDS:
         sp = sub.add_parser(local.name, help=local.help)
@@ -155,7 +165,8 @@ def handover(args: argparse.Namespace) -> int:
     from solar_host.settings import SettingsError, load_settings
 
     try:
-        settings = load_settings(args.env_file)
+        env_file, required = env_file_choice(args)
+        settings = load_settings(env_file, env_file_required=required)
     except SettingsError as err:
         _err(str(err))
         return EXIT_USAGE
@@ -195,7 +206,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.port is not None:
         overrides["port"] = args.port
     try:
-        settings = load_settings(args.env_file, **overrides)
+        env_file, required = env_file_choice(args)
+        settings = load_settings(env_file, env_file_required=required, **overrides)
     except SettingsError as err:
         print(f"solar-host: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -208,7 +220,8 @@ def restore_state(args: argparse.Namespace) -> int:
     from solar_host.settings import SettingsError, load_settings
 
     try:
-        settings = load_settings(args.env_file)
+        env_file, required = env_file_choice(args)
+        settings = load_settings(env_file, env_file_required=required)
     except SettingsError as err:
         print(f"solar-host: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -222,17 +235,29 @@ class UsageError(Exception):
     pass
 
 
-def _read_env_file(path: str) -> dict[str, str]:
-    """KEY=value pairs of the env file (keys upper-cased); {} when it does not exist."""
-    from solar_host.envfile import read_env_file
+def env_file_choice(args: argparse.Namespace) -> tuple[str, bool]:
+    """(env file, whether it must exist): one named by --env-file must; ./.env may be absent."""
+    from solar_host.envfile import DEFAULT_ENV_FILE
 
-    return {k.upper(): v for k, v in read_env_file(path).items()}
+    named = getattr(args, "env_file", None)
+    return (DEFAULT_ENV_FILE, False) if named is None else (named, True)
+
+
+def _read_env_file(args: argparse.Namespace) -> dict[str, str]:
+    """KEY=value pairs of the env file (keys upper-cased); {} when ./.env does not exist."""
+    from solar_host.envfile import EnvFileError, read_env_file
+
+    path, required = env_file_choice(args)
+    try:
+        values = read_env_file(path, required=required)
+    except EnvFileError as err:
+        raise UsageError(str(err)) from None
+    return {k.upper(): v for k, v in values.items()}
 
 
 def resolve_connection(args: argparse.Namespace) -> tuple[str, str]:
     """(url, api_key) from flags, the environment, the env file, then the stored key."""
-    env_file = getattr(args, "env_file", ".env")
-    file_values = _read_env_file(env_file)
+    file_values = _read_env_file(args)
 
     def setting(name: str) -> str:
         value = os.environ.get(name)
@@ -268,17 +293,32 @@ def _err(msg: str) -> None:
 
 
 def _warn_all(body: dict[str, Any]) -> None:
-    for w in body.get("warnings") or ():
-        print(f"solar-host: warning: {w}", file=sys.stderr)
+    warnings = body.get("warnings") or ()
+    for w in warnings if isinstance(warnings, list) else (warnings,):
+        print(f"solar-host: warning: {visible(w)}", file=sys.stderr)
+
+
+def _record(body: dict[str, Any], key: str, default: Any = None) -> dict[str, Any]:
+    """body[key] when it is an object (an instance record in an answer), else `default`."""
+    value = body.get(key)
+    return value if isinstance(value, dict) else (default if default is not None else {})
 
 
 def _where(inst: dict[str, Any]) -> str:
-    return f" (port {inst.get('port')}, pid {inst.get('pid')})" if inst.get("pid") else ""
+    if not inst.get("pid"):
+        return ""
+    return f" (port {visible(inst.get('port'))}, pid {visible(inst.get('pid'))})"
 
 
 def _label(inst: dict[str, Any]) -> str:
-    alias = (inst.get("config") or {}).get("alias")
-    return f"{inst.get('id')} ({alias})" if alias else str(inst.get("id"))
+    alias = _record(inst, "config").get("alias")
+    iid = visible(inst.get("id"))
+    return f"{iid} ({visible(alias)})" if alias else iid
+
+
+def _state_line(inst: dict[str, Any]) -> str:
+    """`ID: STATUS (port P, pid N)` of an instance record, for humans."""
+    return f"{visible(inst.get('id'))}: {visible(inst.get('status'))}{_where(inst)}"
 
 
 # --- host and instances ------------------------------------------------------------------------
@@ -290,12 +330,14 @@ def cmd_status(c: Any, args: argparse.Namespace) -> int:
     instances = c.instances()  # needs the key: checks it, where /health does not
     counts: dict[str, int] = {}
     for inst in instances:
-        counts[inst.get("status", "?")] = counts.get(inst.get("status", "?"), 0) + 1
+        status = str(inst.get("status", "?"))
+        counts[status] = counts.get(status, 0) + 1
+    backends = info.get("supported_backends")
     doc = {
         "url": c.url,
         "status": health.get("status"),
         "version": health.get("version"),
-        "supported_backends": info.get("supported_backends", []),
+        "supported_backends": backends if isinstance(backends, list) else [],
         "instances": counts,
         "disk": health.get("disk"),
     }
@@ -303,13 +345,14 @@ def cmd_status(c: Any, args: argparse.Namespace) -> int:
         print_json(doc)
         return EXIT_OK
     print(f"host       {c.url}")
-    print(f"status     {doc['status']} (solar-host {doc['version']})")
-    print(f"backends   {', '.join(doc['supported_backends']) or '-'}")
-    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none"
+    print(f"status     {visible(doc['status'])} (solar-host {visible(doc['version'])})")
+    print(f"backends   {', '.join(visible(b) for b in doc['supported_backends']) or '-'}")
+    summary = ", ".join(f"{n} {visible(s)}" for s, n in sorted(counts.items())) or "none"
     print(f"instances  {len(instances)} ({summary})")
     disk = health.get("disk")
     if isinstance(disk, dict) and disk.get("available_gb") is not None:
-        print(f"disk       {disk['available_gb']} GiB free of {disk.get('total_gb')} GiB (models)")
+        free, total = visible(disk["available_gb"]), visible(disk.get("total_gb"))
+        print(f"disk       {free} GiB free of {total} GiB (models)")
     return EXIT_OK
 
 
@@ -321,8 +364,8 @@ def cmd_instances(c: Any, args: argparse.Namespace) -> int:
     rows = [
         (
             i.get("id"),
-            (i.get("config") or {}).get("alias"),
-            (i.get("config") or {}).get("backend_type"),
+            _record(i, "config").get("alias"),
+            _record(i, "config").get("backend_type"),
             i.get("status"),
             i.get("port"),
             i.get("pid"),
@@ -372,17 +415,41 @@ def _create_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", action="store_true", help="start it once created")
 
 
+class NonFiniteNumber(ValueError):
+    """JSON text holding NaN, Infinity or a number too large for a float (1e999)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise NonFiniteNumber(f"{name} is not a JSON number (JSON has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFiniteNumber(f"{text} is too large for a number")
+    return value
+
+
+def strict_json(text: str) -> Any:
+    """json.loads as JSON is written: Python's parser takes NaN and Infinity, and turns 1e999
+    into infinity, none of which can be sent (the body is encoded as strict JSON)."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 def create_body(args: argparse.Namespace) -> dict[str, Any]:
     """The POST /instances body from --file, then the flags (a flag wins over the file)."""
     body: dict[str, Any] = {}
     if args.file:
         try:
             text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
-            loaded = json.loads(text)
+            loaded = strict_json(text)
         except OSError as err:
             raise UsageError(f"--file: cannot read {args.file}: {err.strerror or err}") from None
-        except ValueError as err:
-            raise UsageError(f"--file: {args.file} is not valid JSON: {err}") from None
+        except NonFiniteNumber as err:
+            raise UsageError(f"--file: {args.file}: {err}") from None
+        except (ValueError, RecursionError) as err:
+            why = "nested too deeply" if isinstance(err, RecursionError) else err
+            raise UsageError(f"--file: {args.file} is not valid JSON: {why}") from None
         if not isinstance(loaded, dict):
             raise UsageError("--file: a JSON object is required")
         body = dict(loaded) if isinstance(loaded.get("config"), dict) else {"config": loaded}
@@ -392,8 +459,10 @@ def create_body(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not name.strip():
             raise UsageError(f"--set {item!r}: expected FIELD=VALUE")
         try:
-            value: Any = json.loads(raw)
-        except ValueError:
+            value: Any = strict_json(raw)
+        except NonFiniteNumber as err:
+            raise UsageError(f"--set {item!r}: {err}") from None
+        except (ValueError, RecursionError):
             value = raw
         config[name.strip()] = value
     for _, dest, _, _ in CREATE_FIELDS:
@@ -412,7 +481,7 @@ def cmd_create(c: Any, args: argparse.Namespace) -> int:
     body = create_body(args)
     created = c.create(body)
     _warn_all(created)
-    inst = created.get("instance", {})
+    inst = _record(created, "instance")
     if not args.start:
         if args.json:
             print_json(created)
@@ -440,8 +509,7 @@ def cmd_stop(c: Any, args: argparse.Namespace) -> int:
     if args.json:
         print_json(body)
         return EXIT_OK
-    inst = body.get("instance", inst)
-    print(f"{inst.get('id')}: {inst.get('status')}{_where(inst)}")
+    print(_state_line(_record(body, "instance", inst)))
     return EXIT_OK
 
 
@@ -465,12 +533,12 @@ def _lifecycle_with_phases(
             doc["warnings"] = created.get("warnings") or []
         print_json(doc)
         return EXIT_OK
-    after = body.get("instance", inst)
+    after = _record(body, "instance", inst)
     if log.spawned:
         how = f", ready in {ready if ready is not None else elapsed:.1f} s"
     else:
         how = " (already running)" if action == "start" else ""
-    print(f"{after.get('id')}: {after.get('status')}{_where(after)}{how}", flush=True)
+    print(f"{_state_line(after)}{how}", flush=True)
     return EXIT_OK
 
 
@@ -517,8 +585,10 @@ def cmd_logs(c: Any, args: argparse.Namespace) -> int:
         _print_entry(e, args.json)
     if not args.follow:
         return EXIT_OK
+    from solar_host.client import next_seq
+
     # Continue right after what was printed (or from the oldest line kept, if none was there).
-    since = everything[-1]["seq"] + 1 if everything else None
+    since = next_seq(everything)
 
     async def follow() -> None:
         async for msg in c.follow_logs(iid, since_seq=since):
@@ -608,7 +678,7 @@ def cmd_pull(c: Any, args: argparse.Namespace) -> int:
         return EXIT_OK
     result = asyncio.run(_pull_with_display(c, body, pull_display(body["source_uri"], sys.stdout)))
     how = "already present" if result.get("cached") else f"in {time.monotonic() - started:.0f} s"
-    print(f"{result.get('source_uri')}: {result.get('path')} ({how})")
+    print(f"{visible(result.get('source_uri'))}: {visible(result.get('path'))} ({how})")
     return EXIT_OK
 
 
@@ -675,11 +745,11 @@ def cmd_jobs(c: Any, args: argparse.Namespace) -> int:
     if action == "show":
         _show_job(job, args.json)
         return EXIT_OK
-    steps = job.get("steps") or []
+    steps = steps_of(job)
     if args.step:
         steps = [s for s in steps if s.get("name") == args.step]
         if not steps:
-            names = ", ".join(s.get("name", "?") for s in job.get("steps") or ()) or "none"
+            names = ", ".join(visible(s.get("name", "?")) for s in steps_of(job)) or "none"
             raise UsageError(f"job {args.job_id} has no step {args.step!r} (steps: {names})")
     for step in steps:
         for e in step.get("recent_logs") or ():
@@ -690,8 +760,15 @@ def cmd_jobs(c: Any, args: argparse.Namespace) -> int:
                 print(f"{prefix}{e.get('line', '')}", file=_stream(e))
     if not args.json:
         for step in steps:
-            print(f"(full log of {step.get('name')}: {step.get('log_file')})", file=sys.stderr)
+            name, log_file = visible(step.get("name")), visible(step.get("log_file"))
+            print(f"(full log of {name}: {log_file})", file=sys.stderr)
     return EXIT_OK
+
+
+def steps_of(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The step records of a job answer (those that are objects)."""
+    steps = job.get("steps")
+    return [s for s in steps if isinstance(s, dict)] if isinstance(steps, list) else []
 
 
 def _stream(entry: dict[str, Any]) -> Any:
@@ -699,7 +776,7 @@ def _stream(entry: dict[str, Any]) -> Any:
 
 
 def _current_step(job: dict[str, Any]) -> str:
-    steps = job.get("steps") or []
+    steps = steps_of(job)
     i = job.get("current_step_index", -1)
     if isinstance(i, int) and 0 <= i < len(steps):
         return f"{i + 1}/{len(steps)} {steps[i].get('name')}"
@@ -710,15 +787,15 @@ def _show_job(job: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(job)
         return
-    print(f"job        {job.get('job_id')} ({job.get('name')})")
-    print(f"status     {job.get('status')}")
+    print(f"job        {visible(job.get('job_id'))} ({visible(job.get('name'))})")
+    print(f"status     {visible(job.get('status'))}")
     if job.get("error_message"):
-        print(f"error      {job['error_message']}")
-    print(f"created    {job.get('created_at')}")
-    print(f"workspace  {job.get('workspace_path')}")
+        print(f"error      {visible(job['error_message'])}")
+    print(f"created    {visible(job.get('created_at'))}")
+    print(f"workspace  {visible(job.get('workspace_path'))}")
     rows = [
         (s.get("name"), s.get("status"), s.get("exit_code"), s.get("duration_s"))
-        for s in job.get("steps") or ()
+        for s in steps_of(job)
     ]
     if rows:
         print()
@@ -814,16 +891,36 @@ def run_client(args: argparse.Namespace) -> int:
             print_json({"status_code": err.status, **err.body})
         _err(str(err))
         tail = err.body.get("log_tail")
-        if tail and not args.json:
+        if tail and isinstance(tail, list) and not args.json:
             print("last log lines:", file=sys.stderr)
             for line in tail:
-                print(f"  {line}", file=sys.stderr)
+                print(f"  {visible(line)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        # Flushed here, not at exit, so that a reader gone away is caught below.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for the closed pipe would raise again
+    when the interpreter flushes it at exit."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "handler", None) is not None:
         return int(args.handler(args))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ def print_json(data: Any) -> None:
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
-    cells = [[("" if v is None else str(v)) for v in row] for row in rows]
+    cells = [[("" if v is None else visible(v)) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
         for i, v in enumerate(row):
@@ -41,3 +42,25 @@ def human_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+# C0 and C1 control characters but tab: ESC starts the sequences that retitle a terminal (OSC 0),
+# write its clipboard (OSC 52), move the cursor or clear the screen (CSI); a lone CR or a
+# backspace overwrites what was shown; U+009B is an 8-bit CSI.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# The most of one host-supplied error detail shown on a terminal (a proxy's 2 MB error page).
+MAX_DETAIL_CHARS = 2000
+
+
+def visible(value: Any) -> str:
+    """`str(value)` with each control character but tab spelled `\\xNN`: text a host sent (an
+    alias, a status, an error) is shown, never obeyed by the terminal. For human output only:
+    --json keeps the data as it came."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+
+
+def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """`text` cut after `limit` characters, saying how many were left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]} [... {len(text) - limit} more characters not shown]"

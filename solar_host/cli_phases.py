@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from solar_host.cli_format import visible
 from solar_host.cli_threads import in_daemon_thread
-from solar_host.client import ClientError, HostClient
+from solar_host.client import ClientError, HostClient, next_seq
 
 # Progress bars a backend prints while it loads weights: transformers' and tqdm's
 # "Loading weights:  50%|#####     | 1/2", SGLang's "Loading safetensors checkpoint shards:
@@ -103,10 +106,10 @@ class PhaseLog:
         self.phases.append(phase)
         if text == "ready":
             self.ready.set()
-        line = f"{phase.at_s:6.1f} s  {text}"
+        line = f"{phase.at_s:6.1f} s  {visible(text)}"
         if self._console is not None:
             self._console.print(line, highlight=False, markup=False)
-            self._status.update(f"{text}  ({phase.at_s:.0f} s)")
+            self._show(f"{visible(text)}  ({phase.at_s:.0f} s)")
         elif self.stream is not None:
             print(line, file=self.stream, flush=True)
         if text.startswith("spawned"):
@@ -142,7 +145,13 @@ class PhaseLog:
         if self._status is not None:
             short = line.strip()
             short = short if len(short) <= 100 else short[:97] + "..."
-            self._status.update(f"loading ({self.elapsed():.0f} s)  {short}")
+            self._show(f"loading ({self.elapsed():.0f} s)  {visible(short)}")
+
+    def _show(self, text: str) -> None:
+        """The live line: plain text (a log line's "[/models/m.gguf]" is not rich markup)."""
+        from rich.text import Text
+
+        self._status.update(Text(text))
 
     def close(self) -> None:
         if self._status is not None:
@@ -189,18 +198,37 @@ async def _poll_status(c: HostClient, iid: str, log: PhaseLog) -> None:
 async def _follow_logs(c: HostClient, iid: str, since: int | None, log: PhaseLog) -> None:
     with contextlib.suppress(ClientError):
         async for msg in c.follow_logs(iid, since_seq=since):
-            if "line" in msg:
+            if isinstance(msg.get("line"), str):
                 log.log_line(msg["line"])
+
+
+async def _reporting(
+    what: str, work: Awaitable[None], connected: asyncio.Event | None = None
+) -> None:
+    """Run a watcher; an error it did not expect is said on stderr (the start goes on without
+    what it would have shown) instead of dying unseen with its task."""
+    try:
+        await work
+    except Exception as err:
+        if connected is not None:
+            connected.set()  # the call need not wait for a stream that will not come
+        print(
+            f"solar-host: warning: {what} stopped showing: {type(err).__name__}: {visible(err)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def run_with_phases(c: HostClient, iid: str, action: str, log: PhaseLog) -> dict[str, Any]:
     """Run `action` ("start" or "restart": blocking calls) while its phases go to `log`."""
     existing = await asyncio.to_thread(c.logs, iid)  # also: the instance exists, the key works
-    since = existing[-1]["seq"] + 1 if existing else None
+    since = next_seq(existing)
     connected = asyncio.Event()
     watchers = [
-        asyncio.create_task(_follow_status(c, iid, log, connected)),
-        asyncio.create_task(_follow_logs(c, iid, since, log)),
+        asyncio.create_task(
+            _reporting("the phases", _follow_status(c, iid, log, connected), connected)
+        ),
+        asyncio.create_task(_reporting("the loading progress", _follow_logs(c, iid, since, log))),
     ]
     try:
         # Subscribed before the call, so no phase is missed; a slow stream does not block it.

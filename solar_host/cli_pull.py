@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, TextIO
 
-from solar_host.cli_format import human_bytes, human_duration
+from solar_host.cli_format import human_bytes, human_duration, visible
 
 
 def read_pull_progress(metrics_text: str, uri: str) -> tuple[str | None, int | None, int | None]:
@@ -77,7 +77,7 @@ class PlainPullLines:
         if phase and phase != self.phase:
             self.phase = phase
             size = f"  {human_bytes(done)}" if done else ""
-            print(f"{self.uri}: {phase}{size}", file=self.stream, flush=True)
+            print(f"{self.uri}: {visible(phase)}{size}", file=self.stream, flush=True)
 
     def _line(self, done: int, total: int) -> None:
         parts = [f"{self.uri}: {done / total:4.0%}", f"{human_bytes(done)} / {human_bytes(total)}"]
@@ -109,9 +109,10 @@ class PullBar:
             TimeRemainingColumn,
         )
 
+        # Not markup: the URI and the phase (from the host's /metrics) are shown as they are.
         self.progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            TextColumn("{task.fields[phase]}"),
+            TextColumn("{task.description}", markup=False, style="bold"),
+            TextColumn("{task.fields[phase]}", markup=False),
             BarColumn(),
             DownloadColumn(binary_units=True),
             _binary_speed_column(),
@@ -124,7 +125,7 @@ class PullBar:
         self.progress.start()
 
     def update(self, phase: str | None, done: int | None, total: int | None) -> None:
-        fields: dict[str, Any] = {"phase": phase or ""}
+        fields: dict[str, Any] = {"phase": visible(phase)}
         if total:
             fields["total"] = total
         if done is not None:

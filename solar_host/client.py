@@ -1,18 +1,27 @@
 """A small HTTP client of one host's REST API, for the command line.
 
 Every failure is one of four exceptions, each of which the command line maps to its own exit
-code: the host cannot be reached, it refused the key, it refused the operation, or the client
-was given a bad URL. Nothing here prints.
+code: the host cannot be reached (or what answered is not a solar-host: not JSON, or JSON of
+another shape), it refused the key, it refused the operation, or the client was given a bad URL,
+key or timeout. Nothing here prints; error messages meant for a terminal have the host's text
+clipped and its control characters made visible (cli_format.visible).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
+
+from solar_host.cli_format import clip, visible
+from solar_host.envfile import api_key_problem
+
+# Longest --timeout: beyond a day is a typo (and past ~1e9 s the socket layer refuses it).
+MAX_TIMEOUT_S = 86400.0
 
 
 class ClientError(Exception):
@@ -25,6 +34,12 @@ class ConfigError(ClientError):
 
 class HostUnreachable(ClientError):
     pass
+
+
+class UnexpectedAnswer(HostUnreachable):
+    """Something answered, but not as a solar-host does: a proxy's or captive portal's page,
+    another service on that port, JSON of another shape, a stream message cut short. The host
+    itself was not reached, so it counts as unreachable."""
 
 
 class AuthFailed(ClientError):
@@ -51,7 +66,9 @@ class AmbiguousInstance(ClientError):
         lines = [f"{ref!r} matches {len(matches)} instances; name one by its id:"]
         for inst in matches:
             alias = (inst.get("config") or {}).get("alias")
-            lines.append(f"  {inst.get('id')}  {alias}  {inst.get('status')}")
+            lines.append(
+                f"  {visible(inst.get('id'))}  {visible(alias)}  {visible(inst.get('status'))}"
+            )
         super().__init__("\n".join(lines))
 
 
@@ -79,6 +96,13 @@ def resolve_instance(instances: list[dict[str, Any]], ref: str) -> dict[str, Any
     raise NoSuchInstance(ref)
 
 
+def next_seq(entries: list[dict[str, Any]]) -> int | None:
+    """The seq after the last log entry; None (from the oldest line kept) when there is none
+    (or the host gave none)."""
+    last = entries[-1].get("seq") if entries else None
+    return last + 1 if isinstance(last, int) and not isinstance(last, bool) else None
+
+
 class OperationFailed(ClientError):
     """The host answered with an error; `body` is its JSON body (or {"detail": text})."""
 
@@ -89,7 +113,12 @@ class OperationFailed(ClientError):
 
 
 def describe(body: Any) -> str:
-    """The human part of an error body: `detail` (str, or FastAPI's list of field errors)."""
+    """The human part of an error body: `detail` (str, or FastAPI's list of field errors),
+    clipped to MAX_DETAIL_CHARS and with control characters made visible (one line)."""
+    return visible(clip(_detail_text(body)))
+
+
+def _detail_text(body: Any) -> str:
     if not isinstance(body, dict):
         return str(body)
     detail = body.get("detail", body.get("error", body))
@@ -97,7 +126,7 @@ def describe(body: Any) -> str:
         parts = []
         for e in detail:
             if isinstance(e, dict):
-                loc = ".".join(str(x) for x in e.get("loc", ()))
+                loc = ".".join(str(x) for x in e.get("loc", ()) or ())
                 parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
             else:
                 parts.append(str(e))
@@ -106,20 +135,68 @@ def describe(body: Any) -> str:
 
 
 def _body(resp: httpx.Response) -> dict[str, Any]:
+    """An error answer's JSON body; its text as {"detail": ...} when it is not JSON (a proxy's
+    page) or too deeply nested to parse."""
     try:
         data = resp.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"detail": resp.text.strip() or resp.reason_phrase}
     return data if isinstance(data, dict) else {"detail": data}
+
+
+def _content_type(resp: httpx.Response) -> str:
+    return resp.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+
+
+def _kind(data: Any) -> str:
+    """What a JSON value is, in words, for an error message."""
+    if isinstance(data, dict):
+        return "an object"
+    if isinstance(data, list):
+        return "a list holding other things than objects"
+    if data is None:
+        return "null"
+    return "a string" if isinstance(data, str) else f"a {type(data).__name__}"
+
+
+def _check_url(url: str) -> None:
+    """Raise ConfigError for a URL no request can be sent to (bad port, unclosed IPv6
+    bracket, no host name, a space)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parses the port: ValueError for "80a" or 99999
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as err:
+        raise ConfigError(f"invalid host URL {url!r}: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"host URL must be http(s)://HOST:PORT, not {url!r}")
+    if not parts.hostname or any(c.isspace() for c in url):
+        raise ConfigError(f"invalid host URL {url!r}: no valid host name")
+
+
+def _check_timeout(timeout: float) -> None:
+    ok = isinstance(timeout, int | float) and math.isfinite(timeout)
+    if not ok or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ConfigError(
+            f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, "
+            f"not {timeout!r}"
+        )
+
+
+def _check_key(api_key: str) -> None:
+    # The key goes into a header: a character a header cannot hold would fail inside httpx.
+    problem = api_key_problem(api_key) if api_key else None
+    if problem is not None:
+        raise ConfigError(f"the API key {problem} (it travels in an HTTP header)")
 
 
 class HostClient:
     """Synchronous calls to one host. `timeout` bounds connecting and short calls."""
 
     def __init__(self, url: str, api_key: str, *, timeout: float = 10.0):
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"host URL must be http(s)://HOST:PORT, not {url!r}")
+        _check_url(url)
+        _check_timeout(timeout)
+        _check_key(api_key)
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
@@ -152,8 +229,10 @@ class HostClient:
             resp = self._http.request(method, path, json=json_body, timeout=timeout)
         except httpx.TimeoutException:
             raise HostUnreachable(f"{self.url} did not answer within {self.timeout:g} s") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as err:
+        except httpx.TransportError as err:
             raise HostUnreachable(f"cannot reach {self.url}: {err}") from None
+        except httpx.DecodingError as err:  # a body that says gzip and is not
+            raise UnexpectedAnswer(f"the answer of {self.url} cannot be decoded: {err}") from None
         except httpx.InvalidURL as err:
             raise ConfigError(f"invalid host URL {self.url!r}: {err}") from None
         if resp.status_code == 401:
@@ -163,62 +242,100 @@ class HostClient:
         return resp
 
     def get_json(self, path: str) -> Any:
-        return self.request("GET", path).json()
+        return self.json_of(self.request("GET", path))
+
+    def get_object(self, path: str) -> dict[str, Any]:
+        return self.object_of(self.request("GET", path))
+
+    def get_list(self, path: str) -> list[dict[str, Any]]:
+        return self.list_of(self.request("GET", path))
+
+    # --- answers: JSON of the expected shape, else UnexpectedAnswer ---------------------------
+
+    def json_of(self, resp: httpx.Response) -> Any:
+        try:
+            return resp.json()
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser
+            raise UnexpectedAnswer(
+                f"the host at {self.url} answered {resp.status_code} but not JSON: "
+                f"{visible(_content_type(resp))}"
+            ) from None
+
+    def object_of(self, resp: httpx.Response) -> dict[str, Any]:
+        data = self.json_of(resp)
+        if not isinstance(data, dict):
+            raise self._wrong_shape(resp, data, "an object")
+        return data
+
+    def list_of(self, resp: httpx.Response) -> list[dict[str, Any]]:
+        data = self.json_of(resp)
+        if not isinstance(data, list) or not all(isinstance(x, dict) for x in data):
+            raise self._wrong_shape(resp, data, "a list of objects")
+        return data
+
+    def _wrong_shape(self, resp: httpx.Response, data: Any, expected: str) -> UnexpectedAnswer:
+        what = f"{resp.request.method} {resp.request.url.path}"
+        return UnexpectedAnswer(
+            f"the host at {self.url} answered {what} with {_kind(data)} where {expected} "
+            "was expected (is it a solar-host?)"
+        )
 
     # --- operations -------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        return self.get_json("/health")
+        return self.get_object("/health")
 
     def info(self) -> dict[str, Any]:
-        return self.get_json("/")
+        return self.get_object("/")
 
     def instances(self) -> list[dict[str, Any]]:
-        return self.get_json("/instances")
+        return self.get_list("/instances")
 
     def instance(self, instance_id: str) -> dict[str, Any]:
-        return self.get_json(f"/instances/{quote(instance_id, safe='')}")
+        return self.get_object(f"/instances/{quote(instance_id, safe='')}")
 
     def find_instance(self, ref: str) -> dict[str, Any]:
         """The instance named by alias, id or unique id prefix (see resolve_instance)."""
         return resolve_instance(self.instances(), ref)
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.request("POST", "/instances", json_body=body).json()
+        return self.object_of(self.request("POST", "/instances", json_body=body))
 
     def delete(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}"
-        return self.request("DELETE", path, read_timeout=None).json()
+        return self.object_of(self.request("DELETE", path, read_timeout=None))
 
     def start(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}/start"
-        return self.request("POST", path, read_timeout=None).json()
+        return self.object_of(self.request("POST", path, read_timeout=None))
 
     def stop(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}/stop"
-        return self.request("POST", path, read_timeout=None).json()
+        return self.object_of(self.request("POST", path, read_timeout=None))
 
     def restart(self, instance_id: str) -> dict[str, Any]:
         path = f"/instances/{quote(instance_id, safe='')}/restart"
-        return self.request("POST", path, read_timeout=None).json()
+        return self.object_of(self.request("POST", path, read_timeout=None))
 
     def jobs(self) -> list[dict[str, Any]]:
-        return self.get_json("/jobs")
+        return self.get_list("/jobs")
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self.get_json(f"/jobs/{quote(job_id, safe='')}")
+        return self.get_object(f"/jobs/{quote(job_id, safe='')}")
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
-        return self.request("DELETE", f"/jobs/{quote(job_id, safe='')}", read_timeout=None).json()
+        path = f"/jobs/{quote(job_id, safe='')}"
+        return self.object_of(self.request("DELETE", path, read_timeout=None))
 
     def logs(self, instance_id: str) -> list[dict[str, Any]]:
-        return self.get_json(f"/instances/{quote(instance_id, safe='')}/logs")
+        return self.get_list(f"/instances/{quote(instance_id, safe='')}/logs")
 
     def models(self) -> list[dict[str, Any]]:
-        return self.get_json("/models")
+        return self.get_list("/models")
 
     def pull(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.request("POST", "/models/pull", json_body=body, read_timeout=None).json()
+        resp = self.request("POST", "/models/pull", json_body=body, read_timeout=None)
+        return self.object_of(resp)
 
     def metrics_text(self) -> str:
         return self.request("GET", "/metrics").text
@@ -267,7 +384,7 @@ class HostClient:
                     except Exception as err:
                         _raise_for_close(err, self.url)
                         return
-                    yield json.loads(raw)
+                    yield self._message(raw)
         except (OSError, TimeoutError) as err:
             raise HostUnreachable(f"cannot reach {self.url}: {err}") from None
         except ClientError:
@@ -281,6 +398,19 @@ class HostClient:
             if status is not None:
                 raise OperationFailed(status, {"detail": f"stream refused: {err}"}) from None
             raise HostUnreachable(f"stream from {self.url} failed: {err}") from None
+
+    def _message(self, raw: str | bytes) -> dict[str, Any]:
+        """One stream message: a JSON object, else UnexpectedAnswer (a proxy's banner, a
+        message cut short)."""
+        try:
+            msg = json.loads(raw)
+        except (ValueError, RecursionError):
+            msg = None
+        if not isinstance(msg, dict):
+            raise UnexpectedAnswer(
+                f"the host at {self.url} sent a stream message that is not a JSON object"
+            )
+        return msg
 
 
 def _ws_connect(url: str, headers: dict[str, str], timeout: float) -> Any:

@@ -101,10 +101,11 @@ def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
             pass
     except OSError:
         return Check("port", True, f"{settings.port} is free for the REST API")
-    url = f"http://{addr}:{settings.port}"
+    # An IPv6 address goes in brackets in a URL (HOST=::1).
+    url = f"http://{f'[{addr}]' if ':' in addr else addr}:{settings.port}"
     try:
         root = httpx.get(url + "/", timeout=timeout).json()
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, RecursionError):
         root = None
     if not isinstance(root, dict) or root.get("service") != "solar-host":
         return Check(
@@ -115,7 +116,7 @@ def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
         )
     try:
         status = httpx.get(url + "/instances", headers={"X-API-Key": key}, timeout=timeout)
-    except httpx.HTTPError as err:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as err:
         return Check("port", False, f"the solar-host on {settings.port} does not answer: {err}")
     if status.status_code == 401:
         return Check(
@@ -315,7 +316,8 @@ def check_control(settings: Settings, timeout: float = 5.0) -> Check:
             )
             if r.status_code >= 500:
                 bad.append(f"{url} answered {r.status_code}")
-        except httpx.HTTPError as err:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as err:
+            # InvalidURL (a bad port, an unclosed IPv6 bracket) is not an HTTPError.
             bad.append(f"{url}: {type(err).__name__}: {err}")
     if bad:
         return Check(
@@ -409,10 +411,12 @@ def register(sub: Any) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    from solar_host.cli import env_file_choice
     from solar_host.settings import SettingsError, load_settings
 
+    env_file, required = env_file_choice(args)
     try:
-        settings = load_settings(getattr(args, "env_file", ".env"))
+        settings = load_settings(env_file, env_file_required=required)
     except SettingsError as err:
         print(f"solar-host doctor: {err}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from solar_host.envfile import read_env_file
+from solar_host.envfile import DEFAULT_ENV_FILE, EnvFileError, api_key_problem, read_env_file
 
 # Keys that appeared in old READMEs and example files. A host started with one of them would
 # be open to anyone who has read the docs, so start-up refuses them.
@@ -54,7 +54,8 @@ class Settings(BaseModel):
     api_key: str = Field(
         default="",
         description="Key for the REST API (X-API-Key), the control link and the backends "
-        "(Bearer). Empty: generated on first start and stored 0600 beside CONFIG_FILE.",
+        "(Bearer): printable ASCII without spaces (it travels in HTTP headers). Empty: "
+        "generated on first start and stored 0600 beside CONFIG_FILE.",
     )
     host: str = Field(default="0.0.0.0", description="Address the REST API binds to.")
     port: int = Field(default=8001, ge=1, le=65535, description="Port of the REST API.")
@@ -378,6 +379,10 @@ class Settings(BaseModel):
                 "is a placeholder from the documentation; set a secret of your own "
                 "or leave API_KEY empty to have one generated"
             )
+        # A key no HTTP client can put in a header would lock every client out.
+        problem = api_key_problem(v) if v else None
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     # --- derived values -----------------------------------------------------------------------
@@ -459,6 +464,8 @@ def _choice_fields() -> list[str]:
 _COMMON_ENV = frozenset(
     {"PATH", "HOME", "USER", "SHELL", "TERM", "PWD", "LANG", "LOGNAME", "HOSTNAME", "OLDPWD"}
 )
+# Not settings of the host, but read from the same env file by the command line (cli.py).
+CLIENT_ONLY_NAMES = frozenset({"SOLAR_HOST_URL"})
 
 
 def settings_warnings(file_values: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
@@ -467,7 +474,7 @@ def settings_warnings(file_values: Mapping[str, str], environ: Mapping[str, str]
     from solar_host.spelling import nearest
 
     names = [n.upper() for n in Settings.model_fields]
-    known = set(names)
+    known = set(names) | CLIENT_ONLY_NAMES
     out = []
     for key in file_values:
         if key.upper() in known:
@@ -516,16 +523,25 @@ def setting_values(sources: Mapping[str, str]) -> dict[str, str]:
 
 
 def load_settings(
-    env_file: str | Path | None = ".env",
+    env_file: str | Path | None = DEFAULT_ENV_FILE,
     environ: Mapping[str, str] | None = None,
+    *,
+    env_file_required: bool = False,
     **overrides: object,
 ) -> Settings:
     """Settings from, lowest to highest: defaults, `env_file`, the environment, `overrides`.
 
-    Raises SettingsError (one line naming the variable) on a bad value.
+    `env_file_required`: the operator named the file, so it must exist (only the implicit
+    ./.env may be absent). Raises SettingsError (one line naming the variable, or the env
+    file) on a bad value or an env file that cannot be read.
     """
     merged: dict[str, object] = {}
-    file_values = read_env_file(env_file) if env_file is not None else {}
+    try:
+        file_values = (
+            read_env_file(env_file, required=env_file_required) if env_file is not None else {}
+        )
+    except EnvFileError as err:
+        raise SettingsError(str(err)) from None
     merged.update(setting_values(file_values))
     env = os.environ if environ is None else environ
     merged.update(setting_values(env))

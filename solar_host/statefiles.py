@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from solar_host.envfile import api_key_problem
+
 log = logging.getLogger(__name__)
 
 PRIVATE = 0o600
@@ -234,8 +236,9 @@ def parse_api_key(path: Path, raw: bytes) -> str:
     key = decode_text(path, raw).strip()
     if not key:
         raise StateFileError(path, "the file is empty (no API key in it)")
-    if any(c.isspace() or not c.isprintable() for c in key):
-        raise StateFileError(path, "the key holds whitespace or control characters")
+    problem = api_key_problem(key)
+    if problem is not None:
+        raise StateFileError(path, f"the key {problem}")
     return key
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pty
 import re
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -468,3 +470,305 @@ def test_loading_progress_is_read_from_progress_bars_only(line: str, percent: fl
     from solar_host.cli_phases import load_percent
 
     assert load_percent(line) == percent
+
+
+# --- what a fake host (a proxy, another service, a broken host) answers -----------------------
+
+Route = tuple[int, str, bytes]  # status, content type, body
+
+
+@contextlib.contextmanager
+def fake_host(routes: dict[str, Route], bind: str = "127.0.0.1") -> Iterator[FakeHost]:
+    """A loopback HTTP server answering "GET /path" with `routes` (404 otherwise), recording
+    the X-API-Key of each request: a proxy's page, another service on the port, JSON of another
+    shape. Yields it; `.url` is where it listens."""
+    import http.server
+    import socket
+    import threading
+
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            seen.append(self.headers.get("X-API-Key"))
+            status, ctype, body = routes.get(
+                f"{self.command} {self.path.split('?')[0]}",
+                (404, "application/json", b'{"detail": "Not Found"}'),
+            )
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):  # a client that stopped reading
+                self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = _answer
+
+    class Server(http.server.ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        daemon_threads = True
+
+    server = Server((bind, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host = f"[{bind}]" if ":" in bind else bind
+    try:
+        yield FakeHost(f"http://{host}:{server.server_address[1]}", seen)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@dataclasses.dataclass
+class FakeHost:
+    url: str
+    keys: list[str | None]
+
+
+def jsn(value: Any, status: int = 200) -> Route:
+    return status, "application/json", json.dumps(value).encode()
+
+
+def one_line(err: str) -> bool:
+    return "Traceback" not in err and err.count("\n") == 1
+
+
+DEEP = ("[" * 100_000 + "]" * 100_000).encode()
+
+
+async def test_answers_that_are_not_a_hosts_json_are_one_line_exit_3(tmp_path: Path) -> None:
+    html = (200, "text/html", b"<html>proxy login</html>")
+    routes = {
+        "GET /health": html,
+        "GET /instances": jsn({"instances": []}),
+        "GET /models": jsn(None),
+        "GET /jobs": (200, "application/json", DEEP),
+        "GET /jobs/deep": (500, "application/json", DEEP),
+        "GET /jobs/page": (502, "text/plain", b"x" * 2_000_000),
+    }
+    with fake_host(routes) as fake:
+        conn = ("--url", fake.url, "--api-key", "k" * 20)
+        status, instances, models, jobs, deep, page = await asyncio.gather(
+            cli("status", *conn, cwd=tmp_path),
+            cli("instances", *conn, cwd=tmp_path),
+            cli("models", "--json", *conn, cwd=tmp_path),
+            cli("jobs", *conn, cwd=tmp_path),
+            cli("jobs", "show", "deep", *conn, cwd=tmp_path),
+            cli("jobs", "show", "page", *conn, cwd=tmp_path),
+        )
+    assert status[0] == 3 and one_line(status[2]), status
+    assert f"the host at {fake.url} answered 200 but not JSON: text/html" in status[2]
+    for rc, out, err in (instances, models):
+        assert rc == 3 and one_line(err) and out == "", err
+        assert "where a list of objects was expected" in err
+    assert jobs[0] == 3 and one_line(jobs[2]) and "not JSON" in jobs[2], jobs
+    # error bodies too big or too deep for a terminal: one line, the detail clipped
+    for rc, _, err in (deep, page):
+        assert rc == 1 and one_line(err), err[:300]
+        assert len(err) < 2200 and "more characters not shown" in err, err[-200:]
+
+
+async def test_log_stream_message_that_is_not_json_exits_3(tmp_path: Path) -> None:
+    """`logs -f` when the stream sends a proxy's banner instead of a JSON message."""
+    from websockets.asyncio.server import serve
+
+    async def stream(ws: Any) -> None:
+        await ws.send(json.dumps({"seq": 1, "timestamp": 0, "line": "ok"}))
+        await ws.send("<html>502</html>")
+        await ws.wait_closed()  # the client gives up on the stream
+
+    def rest(conn: Any, request: Any) -> Any:
+        if request.headers.get("Upgrade") is not None:
+            return None  # the WebSocket
+        if request.path == "/instances":
+            return conn.respond(200, json.dumps([{"id": "abc", "config": {"alias": "m"}}]))
+        return conn.respond(200, "[]")
+
+    async with serve(stream, "127.0.0.1", 0, process_request=rest) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        conn = ("--url", f"http://127.0.0.1:{port}", "--api-key", "k" * 20)
+        rc, out, err = await cli("logs", "m", "-f", *conn, cwd=tmp_path)
+    assert out == "ok\n"
+    assert rc == 3 and one_line(err), err
+    assert "sent a stream message that is not a JSON object" in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    """`solar-host instances | head -1`: the reader goes away; no traceback, exit 141."""
+    import subprocess
+
+    many = [
+        {"id": f"id-{i:06d}", "config": {"alias": f"m{i}"}, "status": "stopped"}
+        for i in range(20_000)
+    ]
+    lines = [{"seq": i, "timestamp": 0, "line": f"line {i}"} for i in range(50_000)]
+    routes = {"GET /instances": jsn(many), "GET /instances/id-000001/logs": jsn(lines)}
+    with fake_host(routes) as fake:
+        conn = ["--url", fake.url, "--api-key", "k" * 20]
+        for args in (["instances"], ["instances", "--json"], ["logs", "m1"]):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "solar_host", *args, *conn],
+                cwd=tmp_path,
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout.readline()
+            proc.stdout.close()  # as `head -1` does
+            err = proc.stderr.read().decode()
+            assert proc.wait(timeout=60) == 141, (args, err)
+            assert err == "", (args, err)
+
+
+async def cli_killed_after(
+    *args: str, cwd: Path, env: dict[str, str], timeout: float = 30
+) -> tuple[int, str, str]:
+    """`cli` for a command that might serve (and so never end): killed after `timeout`."""
+    import subprocess
+
+    try:
+        p = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "solar_host", *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as err:  # it served: what the test is there to refuse
+        return -1, str(err.stdout), str(err.stderr)
+    return p.returncode, p.stdout, p.stderr
+
+
+async def test_named_env_file_must_exist_and_be_utf8(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    latin1 = tmp_path / "latin1.env"
+    latin1.write_bytes("API_KEY=abcdefghijklmnop1234\nHOST_NAME=b\xe4r\n".encode("latin-1"))
+    missing = str(tmp_path / "hots.env")  # a typo in a unit file
+    env = cli_env(PORT=str(free_port()), HOST="127.0.0.1")
+    runs = await asyncio.gather(
+        cli_killed_after("--env-file", missing, "serve", cwd=work, env=env),
+        cli_killed_after("--env-file", missing, cwd=work, env=env),
+        cli("instances", "--env-file", missing, cwd=work),
+        cli("doctor", "--env-file", missing, "--json", cwd=work),
+        cli("instances", "--env-file", str(tmp_path), cwd=work),
+        cli("instances", "--env-file", str(latin1), cwd=work),
+        cli_killed_after("--env-file", str(latin1), "serve", cwd=work, env=env),
+    )
+    for rc, out, err in runs:
+        assert rc == 2 and one_line(err), (rc, out, err)
+    for _, _, err in runs[:4]:
+        assert f"env file {missing} does not exist" in err, err
+    assert "is not a regular file" in runs[4][2]
+    for _, _, err in runs[5:]:
+        assert f"env file {latin1} is not UTF-8 text (line 2" in err, err
+    # the host did not start on defaults in the working directory
+    assert list(work.iterdir()) == []
+
+
+async def test_env_file_values_are_kept_as_written(tmp_path: Path) -> None:
+    """A secret holding `$` is sent as written (no ${VAR} expansion), and /dev/null is an
+    empty env file."""
+    with fake_host({"GET /instances": jsn([])}) as fake:
+        (tmp_path / ".env").write_text(
+            f"SOLAR_HOST_URL={fake.url}\nAPI_KEY=abc${{HOME}}def$PATH-1234\n"
+        )
+        rc, out, err = await cli("instances", cwd=tmp_path)
+        assert rc == 0 and out.strip() == "no instances", err
+        assert fake.keys == ["abc${HOME}def$PATH-1234"]
+        rc, _, err = await cli("instances", "--env-file", os.devnull, cwd=tmp_path)
+        assert rc == 2 and "no API key" in err  # the ./.env was not read
+
+
+async def test_bad_client_input_is_a_usage_error(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    infinite = tmp_path / "inf.json"
+    infinite.write_text(
+        '{"backend_type": "llamacpp", "alias": "a", "model": "m", "rope_freq_scale": Infinity}'
+    )
+    create = ("create", "--backend-type", "llamacpp", "--alias", "a", "--model", "m")
+    cases = [
+        ("status", "--url", "http://127.0.0.1:80a"),
+        ("status", "--url", "http://[::1"),
+        ("status", "--url", "http://127.0.0.1:99999"),
+        ("status", "--url", "http://:8001"),
+        ("status", "--url", dead, "--timeout", "-1"),
+        ("status", "--url", dead, "--timeout", "nan"),
+        ("status", "--url", dead, "--timeout", "0"),
+        (*create, "--url", dead, "--set", "temperature=NaN"),
+        (*create, "--url", dead, "--set", "ctx_size=1e999"),
+        ("create", "--file", str(infinite), "--url", dead),
+    ]
+    runs = await asyncio.gather(*(cli(*c, "--api-key", "k" * 20, cwd=tmp_path) for c in cases))
+    for case, (rc, _, err) in zip(cases, runs, strict=True):
+        assert rc == 2 and one_line(err), (case, err)
+    assert "invalid host URL" in runs[0][2] and "timeout must be" in runs[4][2]
+    assert "NaN is not a JSON number" in runs[7][2] and "1e999" in runs[8][2]
+    assert "Infinity is not a JSON number" in runs[9][2]
+
+
+async def test_api_key_no_client_can_send_is_refused(tmp_path: Path) -> None:
+    with fake_host({"GET /instances": jsn([])}) as fake:
+        keys = ["clé-secret-1234567890", "abcdefgh\nijklmnop", "abcdefgh\tijklmnop"]
+        runs = await asyncio.gather(
+            *(cli("instances", "--url", fake.url, "--api-key", k, cwd=tmp_path) for k in keys)
+        )
+        # dotenv turns \n in double quotes into a newline
+        (tmp_path / ".env").write_text(f'SOLAR_HOST_URL={fake.url}\nAPI_KEY="abcdefgh\\nijklm"\n')
+        runs.append(await cli("instances", cwd=tmp_path))
+        assert fake.keys == []  # nothing was sent
+    for rc, _, err in runs:
+        assert rc == 2 and one_line(err) and "API key must be printable ASCII" in err, err
+    # the host refuses such a key at start-up, naming API_KEY
+    env = cli_env(API_KEY="clé-secret-1234567890", PORT=str(free_port()), HOST="127.0.0.1")
+    rc, _, err = await cli_killed_after("--env-file", os.devnull, cwd=tmp_path, env=env)
+    assert rc == 2 and one_line(err) and "API_KEY" in err and "printable ASCII" in err, err
+
+
+ESC_ALIAS = "m\x1b]52;c;cm0gLXJmIH4K\x07"  # OSC 52: writes the terminal's clipboard
+
+
+async def test_control_characters_from_the_host_are_shown_not_obeyed(tmp_path: Path) -> None:
+    inst = {
+        "id": "abc",
+        "config": {"alias": ESC_ALIAS, "backend_type": "llamacpp"},
+        "status": "running\x1b[2J\x1b[H",
+    }
+    job = {
+        "job_id": "j1",
+        "name": "train\x1b]0;pwned\x07",
+        "status": "failed",
+        "error_message": "oom\x1b[1A\x1b[2K all good",
+        "steps": [],
+    }
+    routes = {
+        "GET /instances": jsn([inst]),
+        "GET /jobs/j1": jsn(job),
+        "GET /models": jsn({"detail": "busy\x1b[2J\nsolar-host: all models present"}, 503),
+    }
+    with fake_host(routes) as fake:
+        conn = ("--url", fake.url, "--api-key", "k" * 20)
+        runs = await asyncio.gather(
+            cli("instances", *conn, cwd=tmp_path),
+            cli("jobs", "show", "j1", *conn, cwd=tmp_path),
+            cli("models", *conn, cwd=tmp_path),
+            cli("instances", "--json", *conn, cwd=tmp_path),
+        )
+    (_, table_out, _), (_, job_out, _), (rc, _, models_err), (_, as_json, _) = runs
+    for shown in (table_out, job_out, models_err):
+        assert "\x1b" not in shown and "\x07" not in shown, shown
+    assert "m\\x1b]52;c;cm0gLXJmIH4K\\x07" in table_out and "running\\x1b[2J" in table_out
+    assert "train\\x1b]0;pwned\\x07" in job_out and "oom\\x1b[1A" in job_out
+    assert rc == 1 and one_line(models_err) and "busy\\x1b[2J\\x0asolar-host" in models_err
+    assert json.loads(as_json)[0]["config"]["alias"] == ESC_ALIAS  # --json: as the host sent it

@@ -184,18 +184,17 @@ def test_start_and_restart_show_phases_until_ready(host: HostProc, tmp_path: Pat
     assert rc == 1 and "boom" in err, err
 
 
-def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -> None:
-    """On a terminal the phases print under a live spinner line that shows the backend's
-    latest log line while it loads (rich redraws it in place)."""
+def start_on_a_terminal(host: HostProc, tmp_path: Path, lines: str, alias: str) -> tuple[str, str]:
+    """Create an instance whose backend prints `lines` (comma-separated) while it loads, and
+    `solar-host start` it on a pseudo-terminal: (what was drawn, stderr)."""
     import fcntl
     import pty
-    import re
     import struct
     import termios
 
     c = conn(host)
-    cfg = script_config(host.tmp, "--lines", LOADING, "--ready-after", "2", alias="tty:1b")
-    spec = tmp_path / "tty.json"
+    cfg = script_config(host.tmp, "--lines", lines, "--ready-after", "2", alias=alias)
+    spec = tmp_path / f"{alias.replace(':', '-')}.json"
     spec.write_text(json.dumps(cfg))
     rc, _, err = run_cli("create", "--file", str(spec), *c, cwd=tmp_path)
     assert rc == 0, err
@@ -205,7 +204,7 @@ def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -
     env.update(PYTHONPATH=str(REPO), TERM="xterm-256color")
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "solar_host", "start", "tty:1b", *c],
+            [sys.executable, "-m", "solar_host", "start", alias, *c],
             cwd=tmp_path,
             env=env,
             stdout=slave,
@@ -221,10 +220,19 @@ def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -
             if not data:
                 break
             chunks.append(data)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+        err = proc.stderr.read().decode()  # type: ignore[union-attr]
+        assert proc.wait(timeout=60) == 0, err
     finally:
         os.close(master)
-    drawn = b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace"), err
+
+
+def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -> None:
+    """On a terminal the phases print under a live spinner line that shows the backend's
+    latest log line while it loads (rich redraws it in place)."""
+    import re
+
+    drawn, _ = start_on_a_terminal(host, tmp_path, LOADING, "tty:1b")
     screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
     assert "\x1b[" in drawn  # drawn in place, not appended
     for phase in ("starting", "spawned pid", "loading 50%", "loading 100%", "ready"):
@@ -232,3 +240,20 @@ def test_start_on_a_terminal_draws_a_live_line(host: HostProc, tmp_path: Path) -
     # the live line: the latest backend line while it loads
     assert "loading (" in screen and "Loading checkpoint shards" in screen, screen
     assert re.search(r": running \(port \d+, pid \d+\), ready in \d+\.\d s", screen), screen
+
+
+def test_live_line_shows_log_lines_as_text(host: HostProc, tmp_path: Path) -> None:
+    """A backend line holding "[/models/m.gguf]" is text, not rich markup (a MarkupError killed
+    the log watcher and every later loading phase went unseen); an escape sequence in one is
+    shown, not obeyed."""
+    import re
+
+    # before the progress lines it would have hidden: on the live line as the next phase prints
+    lines = "loading model from [/models/m.gguf] \x1b[2J," + LOADING
+    drawn, err = start_on_a_terminal(host, tmp_path, lines, "brackets:1b")
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
+    for phase in ("spawned pid", "loading 50%", "loading 100%", "ready"):
+        assert phase in screen, screen
+    assert "loading model from [/models/m.gguf] \\x1b[2J" in screen, screen
+    assert "\x1b[2J" not in drawn
+    assert "warning" not in err, err

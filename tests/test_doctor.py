@@ -196,3 +196,52 @@ def test_code_hard_linked_into_a_cache_fails_the_check(
     monkeypatch.setattr("solar_host.__file__", str(code / "__init__.py"))
     check = doctor.check_confinement(settings, abi=7)
     assert not check.ok and "hard-linked" in check.detail and "UV_LINK_MODE" in check.fix
+
+
+def run_doctor(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "API_KEY": "k" * 20}
+    return subprocess.run(
+        [sys.executable, "-m", "solar_host", "doctor"],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+
+def check_line(out: str, name: str) -> str:
+    return next(ln for ln in out.splitlines() if f"] {name}" in ln)
+
+
+def test_ipv6_host_and_malformed_control_urls_fail_checks_not_the_doctor(tmp_path: Path) -> None:
+    """HOST=::1 (the URL needs brackets) and SOLAR_CONTROL_URLs httpx cannot parse are FAIL
+    lines with a fix, not a traceback."""
+    from tests.test_cli import fake_host, jsn
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    routes = {
+        "GET /": jsn({"service": "solar-host", "version": "9.9"}),
+        "GET /instances": jsn({"detail": "Invalid or missing API key"}, 401),
+    }
+    with fake_host(routes, bind="::1") as fake:
+        port = fake.url.rsplit(":", 1)[1]
+        r = run_doctor(tmp_path, HOST="::1", PORT=port)
+    assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
+    port_line = check_line(r.stdout, "port")
+    assert "[FAIL]" in port_line and "refuses this API key" in port_line, r.stdout
+    for url in ("http://control:80a", "http://[::1"):
+        r = run_doctor(tmp_path, SOLAR_CONTROL_URL=url)
+        assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
+        line = check_line(r.stdout, "control url")
+        assert "[FAIL]" in line and url in line, r.stdout
+        assert "fix: check SOLAR_CONTROL_URL" in r.stdout
+
+
+def test_solar_host_url_in_the_env_file_is_no_unknown_setting(tmp_path: Path) -> None:
+    """The command line reads SOLAR_HOST_URL from the same env file: not a typo."""
+    (tmp_path / ".env").write_text("SOLAR_HOST_URL=http://127.0.0.1:8001\nSOLR_HOST_URL=x\n")
+    r = run_doctor(tmp_path, SOLAR_HOST_URL="http://127.0.0.1:8001")
+    assert "SOLAR_HOST_URL" not in r.stderr.replace("SOLR_HOST_URL", ""), r.stderr
+    assert "unknown setting SOLR_HOST_URL" in r.stderr  # a real typo is still named

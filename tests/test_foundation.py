@@ -86,7 +86,7 @@ def test_bad_value_in_env_file_names_the_variable(tmp_path: Path) -> None:
 def run_serve(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """`solar-host serve` in tmp_path with `env` added, for runs that end on their own."""
     return subprocess.run(
-        [sys.executable, "-m", "solar_host", "--env-file", str(tmp_path / "none.env")],
+        [sys.executable, "-m", "solar_host", "--env-file", os.devnull],
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         capture_output=True,
         text=True,

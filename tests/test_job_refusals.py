@@ -197,3 +197,17 @@ async def test_a_job_nothing_can_store_or_run_is_refused_and_leaves_nothing(
         assert r.status_code == 202, r.text
         body = await wait_for(client, "ok-1", finished, within=60)
         assert body["status"] == "completed", body
+
+
+async def test_control_characters_in_a_job_name_are_refused(tmp_path: Path) -> None:
+    """A job's name is shown on operators' terminals and in solar-control: an escape sequence
+    in it is a 400 naming the field, like one in an instance's alias (no daemon needed: the
+    definition is refused before anything runs)."""
+    host = Host(make_settings(tmp_path))
+    async with running(host) as client:
+        for name in ("train\x1b]0;pwned\x07", "oom\x1b[1A\x1b[2K", "two\nlines", "c1\x9b2J"):
+            body = {**job_body("n-1", sh("a", "busybox", "true")), "name": name}
+            r = await client.post("/jobs", json=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["detail"] == "name: name must not contain control characters"
+        assert (await client.get("/jobs/n-1")).status_code == 404

@@ -106,7 +106,7 @@ async def test_json_lines_from_the_real_command(tmp_path: Path) -> None:
         "--port",
         str(port),
         "--env-file",
-        str(tmp_path / "absent.env"),
+        os.devnull,
         cwd=tmp_path,
         env=env,
         stdout=asyncio.subprocess.PIPE,

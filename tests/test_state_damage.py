@@ -107,7 +107,7 @@ def adopted(h: HostProc, iid: str, pid: int) -> None:
 
 def restore_state(h: HostProc) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "solar_host", "restore-state", "--env-file", "none.env"],
+        [sys.executable, "-m", "solar_host", "restore-state", "--env-file", os.devnull],
         env={**h.env(), "PYTHONPATH": str(ROOT)},
         cwd=h.tmp,
         capture_output=True,

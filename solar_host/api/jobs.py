@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from solar_host.jobs.schemas import (
+    CONTROL_CHARS_RE,
     STEP_FIELD_ERROR,
     JobDefinition,
     JobStateResponse,
@@ -119,6 +120,9 @@ async def submit_job(request: Request) -> Any:
         # A step field the host does not implement (or refuses) is a 422, other bad input 400.
         refused = any(e.get("type") == STEP_FIELD_ERROR for e in err.errors())
         raise HTTPException(422 if refused else 400, _field_errors(err)) from None
+    if job.name is not None and CONTROL_CHARS_RE.search(job.name):
+        # Checked here, not in the model: a job stored by an older release loads as it is.
+        raise HTTPException(400, "name: name must not contain control characters")
     service = _service(request)
     try:
         state = await service.submit(job)
