@@ -355,8 +355,9 @@ def render() -> str:
         "",
         "The `config` object of `POST /instances` and `PUT /instances/{id}`. A bad config is "
         "answered 422 with the path of the offending field (`body.config.<field>`) and "
-        "changes nothing. Relative paths and `local://` URIs are resolved inside `MODELS_DIR` "
-        "(escaping it is refused); absolute paths are used as given.",
+        "changes nothing. Relative paths and `local://` URIs are resolved inside `MODELS_DIR`; "
+        "every path, absolute ones too, must lie (after symlinks) inside `MODELS_DIR` or one "
+        "of `MODEL_ROOTS`, else it is a 422 naming the field and the allowed roots.",
         "",
         *config_lines(),
     ]

@@ -242,7 +242,10 @@ class Settings(BaseModel):
         default=5.0, gt=0, description="Cap of the doubling reconnect delay (s)."
     )
     ws_ping_interval: float = Field(
-        default=25.0, gt=0, description="Engine.IO ping interval hint (s)."
+        default=25.0,
+        gt=0,
+        description="Ignored (kept for old .env files): the link pings at the interval "
+        "solar-control's server sets.",
     )
     insecure: bool = Field(
         default=False, description="Skip TLS verification towards solar-control."
