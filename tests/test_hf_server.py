@@ -178,6 +178,13 @@ CHAT = {"messages": [{"role": "user", "content": "hello world"}], "temperature":
 # --- metadata and auth --------------------------------------------------------------------
 
 
+def local_device() -> str:
+    """Where `device: auto` puts a model on this machine (the suite also runs on GPU hosts)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_health_public_models_with_alias_and_capabilities(servers) -> None:
     expect = {"causal": ["completion"], "cls": ["classification"], "emb": ["embedding"]}
     for name, caps in expect.items():
@@ -187,7 +194,7 @@ def test_health_public_models_with_alias_and_capabilities(servers) -> None:
             "status": "healthy",
             "model": s.alias,
             "model_type": h["model_type"],
-            "device": "cpu",
+            "device": local_device(),
         }
         m = httpx.get(s.url + "/v1/models", headers=AUTH, timeout=10).json()
         assert m["object"] == "list"
@@ -400,7 +407,10 @@ def test_embeddings_pooling_dimensions_and_base64(emb: Server, tiny_hf_models) -
     assert vecs.shape == (2, 32)
     assert np.linalg.norm(vecs, axis=1) == pytest.approx([1.0, 1.0], abs=1e-5)
     ref = _reference_embedding(tiny_hf_models.encoder, texts[0])
-    assert np.abs(vecs[0] - ref).max() < 1e-4  # masked mean pooling despite padding
+    # Masked mean pooling despite padding. A GPU serves float16 weights (1.7e-4 seen on an
+    # H200) against this float32 reference.
+    tolerance = 1e-4 if local_device() == "cpu" else 1e-3
+    assert np.abs(vecs[0] - ref).max() < tolerance
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_hf_models.encoder)
@@ -484,6 +494,8 @@ def test_log_markers_feed_the_backend_parser(causal: Server) -> None:
 
 
 def test_cuda_on_cpu_host_exits_with_message(servers) -> None:
+    if local_device() == "cuda":
+        pytest.skip("this machine has CUDA: the server asked for it serves")
     s = servers["cuda"]
     rc = s.proc.wait(90)
     assert rc != 0

@@ -251,6 +251,10 @@ async def test_instances_listing_shows_running_metadata(hosts: HFHosts) -> None:
 
 
 async def test_cuda_on_cpu_is_a_fast_structured_500(hosts: HFHosts) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the instance asked for it starts")
     s = hosts.started["cuda"]
     assert s.response.status_code == 500, s.response.text
     body = s.response.json()
