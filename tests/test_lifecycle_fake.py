@@ -301,19 +301,24 @@ async def test_closed_log_streams_of_a_quiet_instance_leave_nothing_behind(
         await h.client.post(f"/instances/{iid}/stop")
 
 
+async def crash_looped(h, iid: str) -> dict:
+    """The instance once the host gave up on its crash loop (10 s at most)."""
+    for _ in range(200):
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        if inst["status"] == "failed" and "not restarting" in (inst["error_message"] or ""):
+            return inst
+        await asyncio.sleep(0.05)
+    raise AssertionError(inst)
+
+
 async def test_crash_loop_ends_in_failed_not_a_storm(tmp_path: Path) -> None:
     s = host_settings(tmp_path, restart_backoff_s=0.05, restart_max_in_window=3)
     async with running_host(s, backends=registry()) as h:
         iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", "--exit-code", "3"))
         assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
         sup = h.instances.supervisor(iid)
-        for _ in range(200):
-            inst = (await h.client.get(f"/instances/{iid}")).json()
-            if inst["status"] == "failed" and "not restarting" in (inst["error_message"] or ""):
-                break
-            await asyncio.sleep(0.05)
-        assert inst["status"] == "failed", inst
-        assert "exit code: 3" in inst["error_message"] and "not restarting" in inst["error_message"]
+        inst = await crash_looped(h, iid)
+        assert "exit code: 3" in inst["error_message"]
         assert sup.counters["crashes"] == 3 and sup.counters["restarts"] == 2
         await asyncio.sleep(0.5)
         assert (await h.client.get(f"/instances/{iid}")).json()["status"] == "failed"
@@ -393,19 +398,10 @@ async def test_a_start_after_a_crash_loop_gets_the_whole_restart_budget(tmp_path
         iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", "--exit-code", "3"))
         assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
         sup = h.instances.supervisor(iid)
-
-        async def crash_looped() -> None:
-            for _ in range(200):
-                inst = (await h.client.get(f"/instances/{iid}")).json()
-                if inst["status"] == "failed" and "not restarting" in (inst["error_message"] or ""):
-                    return
-                await asyncio.sleep(0.05)
-            raise AssertionError(inst)
-
-        await crash_looped()
+        await crash_looped(h, iid)
         assert sup.counters["restarts"] == 1
         assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
-        await crash_looped()
+        await crash_looped(h, iid)
         # The operator's start began a new loop: its first crash was restarted again.
         assert sup.counters["restarts"] == 2, sup.counters
 
@@ -446,11 +442,7 @@ async def test_a_host_restart_leaves_failures_to_their_owners(tmp_path: Path) ->
         os.kill(pid, signal.SIGKILL)
         await status_of(h, intent, "failed")
         await h.client.post(f"/instances/{looper}/start")
-        for _ in range(200):
-            inst = (await h.client.get(f"/instances/{looper}")).json()
-            if "not restarting" in (inst["error_message"] or ""):
-                break
-            await asyncio.sleep(0.05)
+        await crash_looped(h, looper)
         assert (await h.client.post(f"/instances/{steady}/start")).status_code == 200
     async with running_host(s, backends=registry()) as h:
         await status_of(h, steady, "running")
