@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
+
+# C0 and C1 control characters (tab and newline included). Names people read (an alias, a job's
+# name) are shown on terminals and in solar-control, where an escape sequence in them would be
+# obeyed: refused where they are given.
+CONTROL_CHARS_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _bad(text: str) -> bool:

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from solar_host.jobs.schemas import (
-    CONTROL_CHARS_RE,
     STEP_FIELD_ERROR,
     JobDefinition,
     JobStateResponse,
@@ -31,7 +30,7 @@ from solar_host.jobs.service import (
     JobService,
 )
 from solar_host.jobs.workspace import InsufficientDiskError, WorkspaceError
-from solar_host.textsafe import refusal, unstorable
+from solar_host.textsafe import CONTROL_CHARS_RE, refusal, unstorable
 
 router = APIRouter(tags=["jobs"])
 

@@ -28,7 +28,7 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
-from solar_host.textsafe import NOT_FINITE, NOT_UNICODE, unstorable
+from solar_host.textsafe import CONTROL_CHARS_RE, NOT_FINITE, NOT_UNICODE, unstorable
 from solar_host.tracked import Tracked
 
 InstanceConfig = Annotated[
@@ -252,6 +252,9 @@ def parse_config(
         loc = (field,) if current else ("model_source",)
         raise _error(loc, str(err)) from None
 
+    if strict and CONTROL_CHARS_RE.search(config.alias):
+        # Where it is given, not at load: a record kept by an older release loads as it is.
+        raise _error(("alias",), "alias must not contain control characters")
     if check_roots:
         # Before patterns are globbed, so no directory outside the roots is even listed.
         _check_roots(config, roots)

@@ -21,10 +21,6 @@ from solar_host.events import utc_now
 SLUG_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_SLUG_LEN = 128
-# C0 and C1 control characters (tab and newline included): a job's name is shown on operators'
-# terminals and in solar-control, where an escape sequence in it would be obeyed. Refused as an
-# instance's alias is (backends/base.py), for the same reason.
-CONTROL_CHARS_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # Names that would collide with the host's own files in JOBS_DIR (the store, its last good
 # copy `.prev`, and anything else statefiles may name after it).
 RESERVED_JOB_IDS = frozenset({"jobs_store.json"})
