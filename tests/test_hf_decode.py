@@ -337,3 +337,106 @@ def test_a_request_that_fails_alone_leaves_its_batch_generating(model) -> None:
     for name in ("overflow", "seed", "empty"):
         assert isinstance(results[name], Exception), (name, results[name])
     assert stats["failed"] == 1 and stats["rows"] == 0, stats  # the overflow row's sampling
+
+
+def recording_scheduler(model: tuple[Any, Any]) -> tuple[DecodeScheduler, Any, dict, dict]:
+    """A started scheduler whose deliveries run on its own thread, and a maker of requests that
+    record every outcome (`outcomes[name]`: all on_done calls, in order) and first pieces."""
+    lm, tok = model
+    outcomes: dict[str, list[GenResult | BaseException]] = {}
+    events: dict[str, threading.Event] = {}
+
+    def post(calls: list, then: Any) -> None:
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None:
+            then()
+
+    def request(name: str, ids: list[int], max_new: int, first: threading.Event | None = None):
+        outcomes[name] = []
+        events[name] = threading.Event()
+
+        def finished(res: GenResult | BaseException) -> None:
+            outcomes[name].append(res)
+            events[name].set()
+
+        def piece(_text: str) -> None:
+            if first is not None:
+                first.set()
+
+        return GenRequest(ids, GenParams(temperature=0), max_new, piece, finished)
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1)
+    sched.start()
+    return sched, request, outcomes, events
+
+
+def test_a_prefill_that_fails_ends_its_own_requests_only(model) -> None:
+    """A new request whose prefill fails (out of memory on a long prompt, a token the model
+    cannot embed) must not end the streams already generating: their cache was not touched."""
+    lm, tok = model
+    ids = tok("the cat sat")["input_ids"]
+    sched, request, outcomes, events = recording_scheduler(model)
+    try:
+        sched.submit(request("alone", ids, 30))
+        assert events["alone"].wait(60)
+        going = threading.Event()
+        sched.submit(request("running", ids, 30, first=going))
+        assert going.wait(60)
+        bad = [lm.config.vocab_size + 5]  # no such token: the embedding lookup fails
+        sched.submit(request("bad", bad, 5))
+        for name in ("running", "bad"):
+            assert events[name].wait(60), name
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    [alone], [running], [bad_outcome] = outcomes["alone"], outcomes["running"], outcomes["bad"]
+    assert isinstance(running, GenResult), running
+    assert (running.text, running.completion_tokens) == (alone.text, alone.completion_tokens)
+    assert isinstance(bad_outcome, Exception) and stats["failed"] == 1
+
+
+def test_a_request_that_ended_is_not_told_of_a_later_failure(model) -> None:
+    """`short` ends in its prefill (max_tokens 1); the next step fails for `long`, whose
+    positions run past the model's table. `short` keeps its one result; `long` gets the error."""
+    lm, tok = model
+    sched, request, outcomes, events = recording_scheduler(model)
+    limit = lm.config.n_positions
+    try:
+        sched.submit(request("warm", tok("warm")["input_ids"], 2))
+        assert events["warm"].wait(60)
+        short = request("short", tok("the cat sat")["input_ids"], 1)
+        long = request("long", [11] * limit, 5)  # its first step is past the table
+        with sched._cond:  # one prefill for both
+            sched._pending.extend([short, long])
+            sched._cond.notify()
+        assert events["long"].wait(60)
+    finally:
+        sched.stop()
+    assert [type(o) for o in outcomes["short"]] == [GenResult]
+    [failure] = outcomes["long"]
+    assert isinstance(failure, Exception)
+
+
+def test_batch_wide_rope_scalings_run_one_request_at_a_time(model) -> None:
+    """longrope and dynamic NTK pick their factor from the longest position in the batch, so a
+    long neighbour changed a row's text: such a model decodes its requests one at a time."""
+    from solar_host.servers.hf_decode import batch_changes_rows
+
+    lm, tok = model
+
+    class Cfg:
+        def __init__(self, scaling: Any) -> None:
+            self.rope_scaling = scaling
+
+    assert batch_changes_rows(Cfg({"rope_type": "longrope", "short_factor": [1.0]}))
+    assert batch_changes_rows(Cfg({"type": "dynamic", "factor": 2.0}))
+    assert not batch_changes_rows(Cfg({"rope_type": "linear", "factor": 2.0}))
+    assert not batch_changes_rows(Cfg(None))
+    assert DecodeScheduler(lm, tok, "cpu", 32, lambda c, t: None).max_batch == 32
+    before = getattr(lm.config, "rope_parameters", None)
+    lm.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    try:
+        assert DecodeScheduler(lm, tok, "cpu", 32, lambda c, t: None).max_batch == 1
+    finally:
+        lm.config.rope_parameters = before

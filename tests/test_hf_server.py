@@ -931,3 +931,43 @@ def test_half_precision_embeddings_are_pooled_in_float32(
     assert float(hidden.float().sum(1).abs().max()) > 65504  # a float16 sum would be inf
     assert np.isfinite(vecs).all()
     np.testing.assert_allclose(vecs[0], hidden.float().mean(1)[0].numpy(), rtol=1e-6)
+
+
+def test_options_this_server_does_not_implement_are_refused_not_ignored() -> None:
+    """A 200 without the logprobs or echoed prompt asked for reads as a model that gave none."""
+    from solar_host.servers.hf_protocol import parse_gen_params
+
+    for body, param in (
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "end"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+    ):
+        with pytest.raises(APIError) as err:
+            parse_gen_params(body)
+        assert err.value.status == 400 and err.value.param == param, body
+    # What clients send when they want none of it passes.
+    for body in ({"logprobs": False}, {"logprobs": None, "echo": False}, {"top_logprobs": 0},
+                 {"suffix": ""}, {"best_of": 1}):  # fmt: skip
+        parse_gen_params(body)
+
+
+def test_the_context_limit_is_the_smallest_length_the_config_names() -> None:
+    """MPT names its context max_seq_len, GPT-2 n_positions: reading max_position_embeddings
+    alone let a prompt past the model's table in, and it failed inside the model."""
+    from types import SimpleNamespace
+
+    from solar_host.servers.hf_runtime import _model_limit
+
+    def model(**cfg: object) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(**cfg))
+
+    assert _model_limit(model(max_seq_len=64), 4096) == 64
+    assert _model_limit(model(n_positions=1024, max_position_embeddings=512), 4096) == 512
+    assert _model_limit(model(max_position_embeddings=8192), 4096) == 4096
+    assert _model_limit(model(use_cache=True, n_ctx=True), 4096) == 4096  # a bool is no length
+    text = SimpleNamespace(max_position_embeddings=128)
+    vlm = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    assert _model_limit(vlm, 4096) == 128

@@ -81,7 +81,8 @@ class GenRequest:
     on_piece: Callable[[str], None] | None
     on_done: Callable[[GenResult | BaseException], None]
     cancel: threading.Event = field(default_factory=threading.Event)
-    refused: bool = False  # answered with an error before its prefill (see _admit)
+    # Its on_done is posted (DecodeScheduler._end): once, whatever fails after.
+    ended: bool = False
 
 
 @dataclass
@@ -96,6 +97,31 @@ class _Row:
         return self.text.ids
 
 
+# Rope scalings whose factor transformers picks from the longest position in the whole batch
+# (modeling_rope_utils: longrope's short/long factors, dynamic NTK): a long request in the batch
+# changed every other row's rotary angles, so one user's text depended on another's request.
+BATCH_WIDE_ROPE = frozenset({"longrope", "dynamic"})
+
+
+def batch_changes_rows(config: Any) -> bool:
+    """Whether sharing a batch would change a row's output (a batch-wide rope scaling)."""
+    configs = [config]
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        try:
+            configs.append(text())
+        except Exception:  # a config without a text part
+            pass
+    for c in configs:
+        # rope_parameters in transformers 5 (reading rope_scaling there warns), else 4.x's.
+        scaling = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
+        if isinstance(scaling, dict):
+            kind = scaling.get("rope_type") or scaling.get("type")
+            if kind in BATCH_WIDE_ROPE:
+                return True
+    return False
+
+
 class DecodeScheduler:
     def __init__(
         self,
@@ -108,6 +134,8 @@ class DecodeScheduler:
     ):
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
+        if batch_changes_rows(model.config):
+            self.max_batch = 1
         self.prefill_cost = PrefillCost()  # fitted to the prefills so far
         self.handoff_s: float | None = None  # recent hand-overs after a prefill (average)
         self._post = post
@@ -136,7 +164,7 @@ class DecodeScheduler:
         self.admitted = 0
         self.finished = 0
         self.cancelled = 0
-        self.failed = 0  # rows ended by an error of their own (the batch went on)
+        self.failed = 0  # requests whose prefill, row or step failed
         self.max_rows = 0
         self.rows_now = 0
 
@@ -204,24 +232,23 @@ class DecodeScheduler:
                     for r in new:
                         if r.cancel.is_set():
                             self.cancelled += 1
-                            self._out.append((r.on_done, Cancelled("client disconnected")))
+                            self._end(r, Cancelled("client disconnected"))
                     new = [r for r in new if not r.cancel.is_set()]
                     for group in self._prefill_groups(new):
                         self._admit(group)
                         self._flush(handoff=True)  # first tokens go out now
                     if self._rows:
                         self._step()
-            except Exception as err:  # e.g. out of memory: every row of the batch fails
-                for r in self._rows:
-                    self._out.append((r.req.on_done, err))
-                for r in new:
-                    if not r.refused and not any(row.req is r for row in self._rows):
-                        self._out.append((r.on_done, err))
+            except Exception as err:  # a step (or a merge) failed: every row of the batch fails
+                for r in [row.req for row in self._rows] + new:
+                    if not r.ended:
+                        self.failed += 1
+                    self._end(r, err)
                 self._reset()
             self.rows_now = len(self._rows)
             self._flush()
         for req in pending + [r.req for r in self._rows]:
-            self._out.append((req.on_done, Cancelled("server shutting down")))
+            self._end(req, Cancelled("server shutting down"))
         self._flush()
 
     def _prefill_groups(self, reqs: list[GenRequest]) -> list[list[GenRequest]]:
@@ -274,6 +301,14 @@ class DecodeScheduler:
             last = self.handoff_s
             self.handoff_s = took if last is None else last + HANDOFF_WEIGHT * (took - last)
 
+    def _end(self, req: GenRequest, outcome: GenResult | BaseException) -> None:
+        """Post `req`'s outcome, once: a request that already ended (finished in its prefill,
+        refused, cancelled) is not told again that a later failure of the batch was its own."""
+        if req.ended:
+            return
+        req.ended = True
+        self._out.append((req.on_done, outcome))
+
     def _reset(self) -> None:
         self._rows, self._cache, self._mask = [], None, None
 
@@ -297,9 +332,8 @@ class DecodeScheduler:
                         Detokenizer.of(self.tok),
                     )
                 )
-            except Exception as err:
-                r.refused = True
-                self._out.append((r.on_done, err))
+            except Exception as err:  # refused before any model work (not counted as failed)
+                self._end(r, err)
         reqs = [row.req for row in rows]
         if not reqs:
             return
@@ -316,17 +350,25 @@ class DecodeScheduler:
             cache = DynamicCache()
         pos = (m.cumsum(1) - 1).clamp(min=0)
         started = time.perf_counter()
-        out = self.model(
-            input_ids=x,
-            attention_mask=m,
-            position_ids=pos,
-            use_cache=True,
-            **{self._cache_kw: cache},
-            **self._keep_kw,
-        )
-        logits = out.logits[:, -1, :]
-        if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
-            torch.cuda.synchronize(self.device)
+        try:
+            out = self.model(
+                input_ids=x,
+                attention_mask=m,
+                position_ids=pos,
+                use_cache=True,
+                **{self._cache_kw: cache},
+                **self._keep_kw,
+            )
+            logits = out.logits[:, -1, :]
+            if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
+                torch.cuda.synchronize(self.device)
+        except Exception as err:
+            # This group's prefill failed (out of memory on a long prompt, a model that cannot
+            # take it): the running batch has not been touched, so only this group fails.
+            for r in reqs:
+                self.failed += 1
+                self._end(r, err)
+            return
         self.prefill_cost.record(len(reqs) * width, time.perf_counter() - started)
         self.prefills += 1
         self.admitted += len(reqs)
@@ -421,10 +463,10 @@ class DecodeScheduler:
         for row, reason in gone:
             if reason is None:
                 self.cancelled += 1
-                self._out.append((row.req.on_done, Cancelled("client disconnected")))
+                self._end(row.req, Cancelled("client disconnected"))
             elif isinstance(reason, BaseException):
                 self.failed += 1
-                self._out.append((row.req.on_done, reason))
+                self._end(row.req, reason)
             else:
                 self._finish(row, reason)
 
@@ -452,7 +494,7 @@ class DecodeScheduler:
             self._out.append((row.req.on_piece, rest))
         self.finished += 1
         res = GenResult(row.scanner.final or "", len(row.req.ids), len(row.new), reason)
-        self._out.append((row.req.on_done, res))
+        self._end(row.req, res)
 
 
 def _ms_fit(fit: tuple[float, float] | None) -> dict[str, float | None]:

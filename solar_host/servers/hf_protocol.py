@@ -252,10 +252,21 @@ class GenParams:
     seed: int | None = None
 
 
+# OpenAI options this server does not implement.
+UNSUPPORTED_OPTIONS = ("logprobs", "top_logprobs", "echo", "suffix")
+
+
 def parse_gen_params(body: dict[str, Any]) -> GenParams:
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad("Only n=1 is supported", "n")
+    for name in UNSUPPORTED_OPTIONS:
+        # Answered without them, a 200 would look like a model that gave none: say so instead.
+        # Their "off" values (false, 0, null) are what clients send by default, and pass.
+        if body.get(name) not in (None, False, 0, ""):
+            raise bad(f"'{name}' is not supported by this server", name)
+    if body.get("best_of") not in (None, 1):
+        raise bad("Only best_of=1 is supported", "best_of")
     max_tokens = _int(body, "max_tokens", 1)
     mct = _int(body, "max_completion_tokens", 1)
     stop = body.get("stop")

@@ -7,6 +7,7 @@ one result or one `APIError` per request, so one bad input never fails its batch
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import os
@@ -188,11 +189,36 @@ class LoadOptions:
     threads: list[int] | None = None  # intra-op thread candidates (thread_candidates)
 
 
+# What model configs call the longest sequence they take: max_position_embeddings for most,
+# n_positions (GPT-2), max_seq_len (MPT), n_ctx, seq_length, max_sequence_length.
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "n_ctx",
+    "seq_length",
+    "max_sequence_length",
+)
+
+
 def _model_limit(model: Any, max_length: int) -> int:
-    """The usable context: max_length, capped by the model's position table when known."""
+    """The usable context: max_length, capped by the smallest length the model's config names
+    (a prompt past it was accepted and then failed inside the model)."""
     cfg = getattr(model, "config", None)
-    n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
-    return min(max_length, n) if isinstance(n, int) and n > 0 else max_length
+    if cfg is None:
+        return max_length
+    configs = [cfg]
+    text = getattr(cfg, "get_text_config", None)
+    if callable(text):
+        with contextlib.suppress(Exception):
+            configs.append(text())
+    known = [
+        n
+        for c in configs
+        for key in CONTEXT_KEYS
+        if isinstance(n := getattr(c, key, None), int) and not isinstance(n, bool) and n > 0
+    ]
+    return min([max_length, *known])
 
 
 class TextEncoderBase:

@@ -178,6 +178,8 @@ class GenRun:
         self._q.put_nowait(text)
 
     def done(self, result: Any) -> None:
+        if self._result is not None:  # the first outcome stands (the scheduler posts one)
+            return
         self._result = result
         self._q.put_nowait(self._END)
 
