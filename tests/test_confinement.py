@@ -332,6 +332,27 @@ def test_relative_paths_in_a_backends_environment_grant_nothing(
     assert not any(p == str(state) or p.startswith(str(state) + os.sep) for p in granted)
 
 
+def test_hub_caches_named_with_tilde_or_a_variable_are_writable_where_the_hub_opens_them(
+    tmp_path: Path,
+) -> None:
+    """`HF_HOME=~/hf` and `$HOME/hf` are documented forms, and huggingface_hub expands them:
+    the backend writes there, so that is what is granted. Variables their programs read
+    literally (Triton's) are judged literally: "~/tc" is no path under HOME to them."""
+    home = tmp_path / "home"
+    env = {
+        "HOME": str(home),
+        "HF_HOME": "~/hf",
+        "HF_HUB_CACHE": "$HOME/hub-cache",
+        "HUGGINGFACE_HUB_CACHE": "${HOME}/legacy",
+        "TRITON_CACHE_DIR": "~/tc",
+    }
+    policy = confinement.access_policy(roots=[tmp_path / "models"], argv=[], env=env)
+    for granted in ("hf", "hub-cache", "legacy"):
+        assert str(home / granted) in policy.writable, granted
+    assert str(home / "tc") not in policy.writable
+    assert "~/tc" not in policy.writable
+
+
 def test_only_the_devices_runtimes_use_are_allowed(tmp_path: Path) -> None:
     """All of /dev was readable and writable: a backend of a host run as root could read and
     write every disk raw (/dev/sda), and so every file. Now: shared memory, the null and random

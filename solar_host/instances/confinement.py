@@ -220,6 +220,12 @@ class AccessPolicy:
     anchors: tuple[str, ...] = ()
 
 
+# Cache variables huggingface_hub expands as paths (its constants.py: `~/hf` and `$HOME/hf` are
+# documented forms): judged expanded, as the backend will open them. Others (transformers'
+# HF_MODULES_CACHE, Triton's, torch's) are read literally by their programs, and so judged.
+HUB_EXPANDED = frozenset({"HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"})
+
+
 def access_policy(
     *,
     roots: Sequence[Path],
@@ -235,7 +241,7 @@ def access_policy(
     No tree the backend may write lies in (or is) a model root: a cache variable pointed there
     (by an instance config's extra_env, which the roots check lets name a path in a model
     root) is read there, not written, so one backend cannot rewrite the models of others."""
-    from solar_host.model_store.roots import hub_caches
+    from solar_host.model_store.roots import expand_path, hub_caches
 
     # Paths from the backend's environment count only when absolute: a relative one would be
     # opened here against the host's working directory (its state: config.json, its keys),
@@ -246,7 +252,12 @@ def access_policy(
     if os.path.isabs(home):
         writable += [os.path.join(home, t) for t in HOME_WRITABLE]
     writable += [c for c in map(str, hub_caches(env)) if os.path.isabs(c)]
-    writable += [env[name] for name in CACHE_VARS if os.path.isabs(env.get(name) or "")]
+    for name in CACHE_VARS:
+        value = env.get(name) or ""
+        if name in HUB_EXPANDED:  # opened as huggingface_hub opens them: `~`, `$VAR` expanded
+            value = expand_path(value, env)
+        if os.path.isabs(value):
+            writable.append(value)
     if not env.get("TMPDIR"):
         writable.append("/tmp")
     extra_writes = list(extra_writes)

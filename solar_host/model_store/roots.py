@@ -87,7 +87,7 @@ def _looks_like_path(value: str) -> bool:
 _VAR = re.compile(r"\$(\w+|\{[^}]*\})")
 
 
-def _expanded(value: str, env: Mapping[str, str]) -> str:
+def expand_path(value: str, env: Mapping[str, str]) -> str:
     """`value` as a program that expands `~` and environment variables in a path (as
     huggingface_hub does for HF_HOME and friends) would open it, reading variables from the
     backend's environment `env`."""
@@ -151,7 +151,7 @@ def _untyped_paths(
         yield value, value
         return
     for piece in dict.fromkeys(_pieces(value)):
-        for form in dict.fromkeys((piece, _expanded(piece, env))):
+        for form in dict.fromkeys((piece, expand_path(piece, env))):
             if _looks_like_path(form):
                 yield form, piece
             else:
@@ -240,15 +240,15 @@ def hub_caches(env: Mapping[str, str]) -> list[Path]:
     environment is an allowlist of the host's: all of them are judged rather than guess which
     one wins."""
     caches = [
-        _expanded(env[name], env)
+        expand_path(env[name], env)
         for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
         if env.get(name)
     ]
     if env.get("HF_HOME"):
-        caches.append(os.path.join(_expanded(env["HF_HOME"], env), "hub"))
+        caches.append(os.path.join(expand_path(env["HF_HOME"], env), "hub"))
     xdg = env.get("XDG_CACHE_HOME") or "~/.cache"
-    caches.append(os.path.join(_expanded(xdg, env), "huggingface", "hub"))
-    caches.append(os.path.join(_expanded("~/.cache", env), "huggingface", "hub"))
+    caches.append(os.path.join(expand_path(xdg, env), "huggingface", "hub"))
+    caches.append(os.path.join(expand_path("~/.cache", env), "huggingface", "hub"))
     return list(dict.fromkeys(Path(c) for c in caches))
 
 
