@@ -32,6 +32,7 @@ when the previous one has ended (static batching).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import threading
@@ -103,16 +104,20 @@ class _Row:
 BATCH_WIDE_ROPE = frozenset({"longrope", "dynamic"})
 
 
-def batch_changes_rows(config: Any) -> bool:
-    """Whether sharing a batch would change a row's output (a batch-wide rope scaling)."""
-    configs = [config]
+def config_parts(config: Any) -> list[Any]:
+    """`config` and, for a composite model (vision + text), its text part: where the
+    language model's settings (context length, rope scaling) are."""
+    parts = [config]
     text = getattr(config, "get_text_config", None)
     if callable(text):
-        try:
-            configs.append(text())
-        except Exception:  # a config without a text part
-            pass
-    for c in configs:
+        with contextlib.suppress(Exception):  # a config without a text part
+            parts.append(text())
+    return parts
+
+
+def batch_changes_rows(config: Any) -> bool:
+    """Whether sharing a batch would change a row's output (a batch-wide rope scaling)."""
+    for c in config_parts(config):
         # rope_parameters in transformers 5 (reading rope_scaling there warns), else 4.x's.
         scaling = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
         if isinstance(scaling, dict):

@@ -7,7 +7,6 @@ one result or one `APIError` per request, so one bad input never fails its batch
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import io
 import os
@@ -23,7 +22,7 @@ import torch
 from jinja2 import TemplateError
 
 from solar_host.servers.detokenizer import Detokenizer
-from solar_host.servers.hf_decode import GenResult
+from solar_host.servers.hf_decode import GenResult, config_parts
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
 from solar_host.servers.prompt_encoder import PromptEncoder
 
@@ -207,14 +206,9 @@ def _model_limit(model: Any, max_length: int) -> int:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return max_length
-    configs = [cfg]
-    text = getattr(cfg, "get_text_config", None)
-    if callable(text):
-        with contextlib.suppress(Exception):
-            configs.append(text())
     known = [
         n
-        for c in configs
+        for c in config_parts(cfg)
         for key in CONTEXT_KEYS
         if isinstance(n := getattr(c, key, None), int) and not isinstance(n, bool) and n > 0
     ]
