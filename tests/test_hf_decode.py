@@ -440,3 +440,68 @@ def test_batch_wide_rope_scalings_run_one_request_at_a_time(model) -> None:
         assert DecodeScheduler(lm, tok, "cpu", 32, lambda c, t: None).max_batch == 1
     finally:
         lm.config.rope_parameters = before
+
+
+def test_a_longrope_model_prefills_again_where_its_factors_switch(model) -> None:
+    """Past original_max_position_embeddings a longrope model rotates with its long factors, and
+    every key cached before was rotated with the short ones: generate drops the cache there and
+    prefills the whole sequence again. Without that, text crossing the switch differed from
+    generate's (8 of 9 prompts of a tiny Phi-3 whose switch is at 16 positions)."""
+    _lm, tok = model
+    torch.manual_seed(3)
+    cfg = transformers.Phi3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        original_max_position_embeddings=16,
+        # Large weights: attention decides the tokens, so rotations that differ show.
+        initializer_range=0.5,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [50.0] * 8,
+            "rope_theta": 10000.0,
+        },
+        pad_token_id=tok.eos_token_id,
+    )
+    lm = transformers.Phi3ForCausalLM(cfg).eval()
+    lm.generation_config.eos_token_id = None  # every request runs its length, both ways
+    sched = DecodeScheduler(lm, tok, "cpu", 32, _run_here, threads=1)
+    assert sched.rope_switch == 16
+    sched.start()
+    try:
+        gen = torch.Generator().manual_seed(5)
+        # Prompts ending before the switch, on it, and past it (no switch to cross).
+        for length in (5, 12, 15, 16, 17, 30):
+            ids = torch.randint(3, len(tok), (length,), generator=gen).tolist()
+            with torch.no_grad():
+                ref = lm.generate(
+                    torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0
+                )[0, length:]
+            res = _alone(sched, ids, 12)
+            assert isinstance(res, GenResult), res
+            assert (res.text, res.completion_tokens) == (tok.decode(ref), 12), length
+        # 5 + 12 ends before the switch; 12, 15 and 16 cross it; 17 and 30 start past it.
+        assert sched.stats()["reprefills"] == 3
+    finally:
+        sched.stop()
+
+
+def _alone(sched: DecodeScheduler, ids: list[int], max_new: int) -> GenResult | BaseException:
+    """Generate `ids` greedily with nothing else in the scheduler."""
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    sched.submit(GenRequest(ids, GenParams(temperature=0), max_new, None, got.put))
+    return got.get(timeout=60)
+
+
+def _run_here(calls: list, then: Any) -> None:
+    for fn, arg in calls:
+        fn(arg)
+    if then is not None:
+        then()

@@ -27,7 +27,9 @@ few ids per token, not the row's whole text again at every step.
 
 Models whose cache is not made of plain dynamic layers (sliding windows, linear attention)
 cannot have rows merged into a running batch; for them the scheduler forms a new batch only
-when the previous one has ended (static batching).
+when the previous one has ended (static batching). Models whose rotary factors depend on the
+batch's longest position (longrope, dynamic NTK) decode one request at a time, and a longrope
+one is prefilled again where its factors switch, as `generate` does.
 """
 
 from __future__ import annotations
@@ -115,16 +117,40 @@ def config_parts(config: Any) -> list[Any]:
     return parts
 
 
-def batch_changes_rows(config: Any) -> bool:
-    """Whether sharing a batch would change a row's output (a batch-wide rope scaling)."""
+def _rope_scalings(config: Any) -> list[tuple[Any, dict]]:
+    """(config part, its rope scaling dict) for each part that has one."""
+    found = []
     for c in config_parts(config):
         # rope_parameters in transformers 5 (reading rope_scaling there warns), else 4.x's.
         scaling = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None)
         if isinstance(scaling, dict):
-            kind = scaling.get("rope_type") or scaling.get("type")
-            if kind in BATCH_WIDE_ROPE:
-                return True
-    return False
+            found.append((c, scaling))
+    return found
+
+
+def _rope_kind(scaling: dict) -> Any:
+    return scaling.get("rope_type") or scaling.get("type")
+
+
+def batch_changes_rows(config: Any) -> bool:
+    """Whether sharing a batch would change a row's output (a batch-wide rope scaling)."""
+    return any(_rope_kind(s) in BATCH_WIDE_ROPE for _c, s in _rope_scalings(config))
+
+
+def rope_switch_length(config: Any) -> int | None:
+    """The length past which a longrope model's rotary factors switch from short to long.
+
+    Keys cached before the switch were rotated with the short factors and are wrong after it:
+    `generate` (Phi-3's prepare_inputs_for_generation) drops the cache and prefills the whole
+    sequence again at the first position past it, and so does the scheduler (_step)."""
+    for c, scaling in _rope_scalings(config):
+        if _rope_kind(scaling) == "longrope":
+            length = scaling.get("original_max_position_embeddings")
+            if length is None:
+                length = getattr(c, "original_max_position_embeddings", None)
+            if isinstance(length, int) and length > 0:
+                return length
+    return None
 
 
 class DecodeScheduler:
@@ -141,6 +167,7 @@ class DecodeScheduler:
         self.max_batch = max(1, max_batch)
         if batch_changes_rows(model.config):
             self.max_batch = 1
+        self.rope_switch = rope_switch_length(model.config)
         self.prefill_cost = PrefillCost()  # fitted to the prefills so far
         self.handoff_s: float | None = None  # recent hand-overs after a prefill (average)
         self._post = post
@@ -170,6 +197,7 @@ class DecodeScheduler:
         self.finished = 0
         self.cancelled = 0
         self.failed = 0  # requests whose prefill, row or step failed
+        self.reprefills = 0  # whole-sequence prefills at a longrope switch (_step)
         self.max_rows = 0
         self.rows_now = 0
 
@@ -210,6 +238,7 @@ class DecodeScheduler:
             "finished": self.finished,
             "cancelled": self.cancelled,
             "failed": self.failed,
+            "reprefills": self.reprefills,
             "joins_running_batch": self._mergeable is not False,
             **_ms_fit(self.prefill_cost.fit()),
             "handoff_ms": None if self.handoff_s is None else round(self.handoff_s * 1000, 3),
@@ -322,8 +351,6 @@ class DecodeScheduler:
 
         A request that cannot become a row (no prompt ids, a seed its generator refuses) fails
         alone, before the prefill, which the others then share."""
-        from transformers import DynamicCache
-
         rows = []
         for r in reqs:
             try:
@@ -342,31 +369,9 @@ class DecodeScheduler:
         reqs = [row.req for row in rows]
         if not reqs:
             return
-        width = max(len(r.ids) for r in reqs)
-        x = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
-        m = torch.zeros((len(reqs), width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            x[i, width - len(r.ids) :] = torch.tensor(r.ids, dtype=torch.long)
-            m[i, width - len(r.ids) :] = 1
-        x, m = x.to(self.device), m.to(self.device)
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # transformers 4.x: no config argument
-            cache = DynamicCache()
-        pos = (m.cumsum(1) - 1).clamp(min=0)
         started = time.perf_counter()
         try:
-            out = self.model(
-                input_ids=x,
-                attention_mask=m,
-                position_ids=pos,
-                use_cache=True,
-                **{self._cache_kw: cache},
-                **self._keep_kw,
-            )
-            logits = out.logits[:, -1, :]
-            if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
-                torch.cuda.synchronize(self.device)
+            logits, cache, m = self._prefill([r.ids for r in reqs])
         except Exception as err:
             # This group's prefill failed (out of memory on a long prompt, a model that cannot
             # take it): the running batch has not been touched, so only this group fails.
@@ -374,7 +379,7 @@ class DecodeScheduler:
                 self.failed += 1
                 self._end(r, err)
             return
-        self.prefill_cost.record(len(reqs) * width, time.perf_counter() - started)
+        self.prefill_cost.record(m.numel(), time.perf_counter() - started)
         self.prefills += 1
         self.admitted += len(reqs)
         if self._mergeable is None:
@@ -390,6 +395,35 @@ class DecodeScheduler:
         self.rows_now = len(self._rows)
         self.max_rows = max(self.max_rows, len(self._rows))
         self._accept(rows, logits, first=len(self._rows) - len(rows))
+
+    def _prefill(self, seqs: list[list[int]]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """One forward pass over `seqs`, left-padded to one width: (each one's last logits,
+        their new cache, their attention mask)."""
+        from transformers import DynamicCache
+
+        width = max(len(ids) for ids in seqs)
+        x = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        m = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, ids in enumerate(seqs):
+            x[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            m[i, width - len(ids) :] = 1
+        x, m = x.to(self.device), m.to(self.device)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers 4.x: no config argument
+            cache = DynamicCache()
+        out = self.model(
+            input_ids=x,
+            attention_mask=m,
+            position_ids=(m.cumsum(1) - 1).clamp(min=0),
+            use_cache=True,
+            **{self._cache_kw: cache},
+            **self._keep_kw,
+        )
+        logits = out.logits[:, -1, :]
+        if self.device.startswith("cuda"):  # kernels run asynchronously: time the work
+            torch.cuda.synchronize(self.device)
+        return logits, cache, m
 
     def _merge(self, cache: Any, mask: torch.Tensor) -> None:
         """Append `cache`'s rows to the running cache, left-padding the narrower of the two."""
@@ -408,6 +442,16 @@ class DecodeScheduler:
 
     def _step(self) -> None:
         assert self._mask is not None
+        if self.rope_switch is not None and int(self._mask.sum(1).max()) == self.rope_switch:
+            # The next position is the first past a longrope model's switch: every cached key
+            # was rotated with the short factors (rope_switch_length). Prefill the whole
+            # sequence again, as generate does; its last logits are this step's.
+            rows = self._rows
+            logits, self._cache, self._mask = self._prefill([r.req.ids + r.new for r in rows])
+            self.steps += 1
+            self.reprefills += 1
+            self._accept(rows, logits, first=0)
+            return
         last = torch.tensor([[r.new[-1]] for r in self._rows], dtype=torch.long, device=self.device)
         ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
