@@ -216,7 +216,10 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     from solar_host.estimates.capacity import CapacityGate
 
     manager.capacity = CapacityGate(
-        host.probe, enabled=lambda: settings.fit_check, reserved=resources.reserved_bytes
+        host.probe,
+        enabled=lambda: settings.fit_check,
+        reserved=resources.reserved_bytes,
+        roots=lambda: settings.model_root_dirs,
     )
     resources.loading = manager.capacity.holds
     # The store answers "which files are in use" and "where did a pull put this source".

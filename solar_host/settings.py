@@ -345,6 +345,8 @@ class Settings(BaseModel):
 
     # What load_settings found odd in .env and the environment (logged when the host starts).
     _load_warnings: list[str] = PrivateAttr(default_factory=list)
+    # The env file these settings were read from (absolute), when there was one.
+    _env_file: Path | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -421,6 +423,11 @@ class Settings(BaseModel):
     def api_key_file(self) -> Path:
         """Where a generated key is kept: beside config.json."""
         return self.config_file.parent / "api_key"
+
+    @property
+    def env_file(self) -> Path | None:
+        """The env file these settings were read from, if any (the host's, never a backend's)."""
+        return self._env_file
 
     @property
     def reservations_file(self) -> Path:
@@ -554,4 +561,6 @@ def load_settings(
     except ValidationError as err:
         raise SettingsError(describe_validation_error(err)) from None
     settings._load_warnings = settings_warnings(file_values, env)
+    if env_file is not None and os.path.isfile(env_file):
+        settings._env_file = Path(env_file).absolute()
     return settings

@@ -407,3 +407,61 @@ async def test_a_root_backend_cannot_read_the_hosts_environment(tmp_path: Path) 
     argv = [sys.executable, "-c", code]
     out = await _confined(tmp_path, argv, env, scratch)
     assert "refused" in out and "read the host" not in out, out
+
+
+@needs_landlock
+async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_only(
+    tmp_path: Path,
+) -> None:
+    """Installed from a checkout (pip install -e .) and run in it, the host's state directory
+    is a tree on its import path: backends read the code in it, never its .env, config.json,
+    API key, logs, jobs or backend keys (an HF backend with trust_remote_code read them all)."""
+    checkout = tmp_path / "checkout"
+    (checkout / "pkg").mkdir(parents=True)
+    (checkout / "pkg" / "__init__.py").write_text("VALUE = 'code'\n")
+    (checkout / "tool.py").write_text("X = 1\n")
+    secrets = {
+        ".env": "API_KEY=the-host-key\n",
+        "config.json": '{"instances": []}\n',
+        "config.json.prev": "{}\n",
+        "config.json.host-id": "h\n",
+        "api_key": "the-host-key\n",
+        "reservations.json": "{}\n",
+        "logs/host.log": "a prompt\n",
+        "jobs/store.json": "{}\n",
+        "backend-keys/other": "k\n",
+    }
+    for name, text in secrets.items():
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text(text)
+    state = confinement.HostState(
+        checkout / "config.json", checkout / "logs", checkout / "jobs", checkout / ".env"
+    )
+    probe = (
+        "import pathlib, pkg, tool\n"
+        "print('import', pkg.VALUE, tool.X)\n"
+        f"for name in {sorted(secrets)!r}:\n"
+        f"    p = pathlib.Path({str(checkout)!r}) / name\n"
+        "    try:\n"
+        "        p.read_text(); print('READ', name)\n"
+        "    except PermissionError:\n"
+        "        print('denied', name)\n"
+    )
+    argv = [sys.executable, "-c", probe]
+    (tmp_path / "scratch").mkdir()
+    # TMPDIR off /tmp, where the checkout is: backends may write (and read) their TMPDIR.
+    env = {**os.environ, "PYTHONPATH": str(checkout), "TMPDIR": str(tmp_path / "scratch")}
+    (tmp_path / "models").mkdir()
+    policy = confinement.access_policy(
+        roots=[tmp_path / "models"], argv=argv, env=env, host_state=state
+    )
+    assert str(checkout) in policy.listable and str(checkout) not in policy.trees
+    from solar_host.instances import process as procs
+
+    log = tmp_path / "out" / "backend.log"
+    proc = procs.spawn(argv, env, log, tmp_path, policy, "required")
+    assert await procs.wait_exit(proc, timeout=30)
+    out = log.read_text()
+    assert "import code 1" in out, out
+    assert "READ" not in out, out
+    assert out.count("denied") == len(secrets), out

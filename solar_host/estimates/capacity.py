@@ -15,14 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from solar_host.estimates.dispatch import estimate_config
 from solar_host.estimates.gguf import parse_devices
 from solar_host.estimates.model import CPU, Device, Estimate, EstimateError, gpu_name
 from solar_host.instances.errors import InstanceConflict
+from solar_host.model_store.roots import (
+    HOST_OPENED_FIELDS,
+    OutsideRoots,
+    anchor_relative,
+    check_config,
+)
 from solar_host.resources.probes import GB, SystemProbe
 
 log = logging.getLogger(__name__)
@@ -131,14 +138,35 @@ class CapacityGate:
         *,
         enabled: Callable[[], bool] = lambda: True,
         reserved: Callable[[], dict[str, int]] | None = None,
+        roots: Callable[[], Sequence[Path]] | None = None,
     ):
         self.probe = probe
         self.enabled = enabled
+        # The model roots (MODELS_DIR first): every file an estimate opens is judged against
+        # them first (_confined). None: a gate built without them (unit tests).
+        self.roots = roots
         # Bytes kept by the reservation ledger per dimension ({"gpu": n, "cpu": n}).
         self.reserved = reserved
         self._lock = threading.Lock()
         self._holds: dict[str, Placement] = {}
         self.placements: dict[str, Placement] = {}
+
+    def _confined(self, config: Any) -> Any:
+        """`config` as the estimators may open it. Its paths are judged against the model roots
+        now, not only at create: a link in a root may point elsewhere since, and what an
+        estimate reads (header sizes, config.json values) ends up in its answer. Relative
+        paths become MODELS_DIR/<path>, what the backend opens, not the host's working
+        directory. Raises EstimateError naming the field."""
+        if self.roots is None:
+            return config
+        roots = list(self.roots())
+        try:
+            check_config(config, roots)
+        except OutsideRoots as err:
+            raise EstimateError(err.field, str(err)) from None
+        copy = config.model_copy()
+        anchor_relative(copy, roots[0], HOST_OPENED_FIELDS)
+        return copy
 
     # --- what is free ----------------------------------------------------------------------------
     def devices(self) -> list[Device]:
@@ -248,6 +276,7 @@ class CapacityGate:
         InsufficientMemory; None when no estimate can be made (the start goes on unchecked)."""
         try:
             # Header reads (cached per file) off the loop; the check below is arithmetic only.
+            config = await asyncio.to_thread(self._confined, config)
             await asyncio.to_thread(self.place, instance_id, config)
         except EstimateError as err:
             log.warning("no memory estimate for %s, starting unchecked: %s", instance_id, err)
@@ -289,6 +318,7 @@ class CapacityGate:
             self.placements[instance_id] = placement
 
     def _placement_on(self, instance_id: str, config: Any, placed: list[str] | None) -> Placement:
+        config = self._confined(config)
         named = [d for d in self.devices() if d.name in (placed or ())]
         gpus = [d for d in named if d.is_gpu]
         if not named:  # placed nowhere known (an older record): where a start would go now
@@ -316,7 +346,7 @@ class CapacityGate:
         if placement is not None:
             avail = self.available(self.devices(), instance_id)
         else:
-            placement, avail, _ = self.place(instance_id, config)
+            placement, avail, _ = self.place(instance_id, self._confined(config))
         doc = placement.estimate.as_dict(avail)
         doc["placement"] = placement.device_names
         return doc

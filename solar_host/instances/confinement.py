@@ -218,6 +218,87 @@ class AccessPolicy:
     # Trees a writable path may lead into through a link, besides the writable trees that lie
     # in no other (BACKEND_WRITE_PATHS, the operator's): see Ruleset.build.
     anchors: tuple[str, ...] = ()
+    # Directories it may list but not read the files of: those above the host's own state
+    # inside a tree it may read (HostState), whose other entries are allowed one by one.
+    listable: tuple[str, ...] = ()
+
+
+# Names of the host's own files beside config.json (and their .prev, .damaged-*, temporary
+# and .host-id companions, which begin the same way).
+STATE_FILE_PREFIXES = ("api_key", "reservations.json", ".solar-host.lock")
+# Entries a tree holding the host's state may list before the split gives up on it.
+MAX_SPLIT_ENTRIES = 10_000
+
+
+@dataclass(frozen=True)
+class HostState:
+    """The host's own files: config.json and its companions, the API key, the reservation
+    ledger, the backends' key files, its logs, its jobs and its env file. No backend reads
+    them, even where they lie in a tree backends may read: installed from a checkout, the
+    host's state directory is often the checkout, which its import path names (an editable
+    install) and whose .env, config.json and api_key a backend could then read."""
+
+    config_file: Path
+    log_dir: Path
+    jobs_dir: Path
+    env_file: Path | None = None
+
+    @functools.cached_property
+    def _real(self) -> tuple[str, list[str], list[str]]:
+        config = os.path.realpath(self.config_file)
+        folder = os.path.dirname(config)
+        whole = [
+            os.path.join(folder, "backend-keys"),
+            *map(os.path.realpath, (self.log_dir, self.jobs_dir)),
+        ]
+        if self.env_file is not None:
+            whole.append(os.path.realpath(self.env_file))
+        prefixes = [os.path.basename(config), *STATE_FILE_PREFIXES]
+        return folder, whole, prefixes
+
+    def holds(self, real: str) -> bool:
+        """Whether the real path `real` is (or lies in) the host's state."""
+        folder, whole, prefixes = self._real
+        if any(inside(real, w) for w in whole):
+            return True
+        return os.path.dirname(real) == folder and os.path.basename(real).startswith(
+            tuple(prefixes)
+        )
+
+    def beneath(self, real: str) -> bool:
+        """Whether some of the host's state lies beneath the real directory `real`."""
+        folder, whole, _ = self._real
+        return any(inside(p, real) and p != real for p in (folder, *whole)) or real == folder
+
+    def split(self, trees: Iterable[str]) -> tuple[list[str], list[str]]:
+        """`trees` less the host's state: (trees to read, directories only to list). A tree
+        holding state is listed and its entries judged one by one, down to the state."""
+        readable: list[str] = []
+        listable: list[str] = []
+        budget = [MAX_SPLIT_ENTRIES]
+
+        def visit(tree: str) -> None:
+            real = os.path.realpath(tree)
+            if self.holds(real):
+                return
+            if not self.beneath(real):
+                readable.append(tree)
+                return
+            listable.append(tree)
+            try:
+                names = sorted(os.listdir(tree))
+            except OSError:
+                return
+            for name in names:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    log.warning("backends may not read the rest of %s: too many entries", tree)
+                    return
+                visit(os.path.join(tree, name))
+
+        for tree in trees:
+            visit(tree)
+        return readable, listable
 
 
 # Cache variables huggingface_hub expands as paths (its constants.py: `~/hf` and `$HOME/hf` are
@@ -235,8 +316,10 @@ def access_policy(
     extra_reads: Iterable[str] = (),
     extra_writes: Iterable[str] = (),
     confine_writes: bool = True,
+    host_state: HostState | None = None,
 ) -> AccessPolicy:
-    """What a backend started as `argv` with environment `env` needs to read and write.
+    """What a backend started as `argv` with environment `env` needs to read and write, never
+    `host_state` (HostState) but where a model root holds it.
 
     No tree the backend may write lies in (or is) a model root: a cache variable pointed there
     (by an instance config's extra_env, which the roots check lets name a path in a model
@@ -282,8 +365,11 @@ def access_policy(
     trees += list(extra_reads)
     # "/" would allow everything (an empty PYTHONPATH entry, a program in the root): the
     # operator who wants that says so, with BACKEND_READ_CONFINEMENT=off or a model root.
-    kept = [os.path.abspath(r) for r in roots]
-    kept += [t for t in map(os.path.abspath, trees) if t != "/"]
+    trees = [t for t in dict.fromkeys(map(os.path.abspath, trees)) if t != "/"]
+    listable: list[str] = []
+    if host_state is not None:
+        trees, listable = host_state.split(trees)
+    kept = [os.path.abspath(r) for r in roots] + trees
     written = [t for t in map(os.path.abspath, writable) if t != "/"]
     return AccessPolicy(
         tuple(dict.fromkeys(kept)),
@@ -291,6 +377,7 @@ def access_policy(
         tuple(dict.fromkeys(written)),
         confine_writes,
         anchors=tuple(os.path.abspath(p) for p in extra_writes if os.path.abspath(p) != "/"),
+        listable=tuple(dict.fromkeys(listable)),
     )
 
 
@@ -411,6 +498,7 @@ class Ruleset:
             granted = handled & ~ACCESS_MAKE_DEVICE
             rules = [(p, handled & READ_RIGHTS) for p in policy.trees]
             rules += [(p, granted) for p in policy.writable]
+            rules += [(p, ACCESS_READ_DIR) for p in policy.listable]
             rules += [(p, ACCESS_READ_FILE) for p in policy.files]
             rules += [(p, granted & FILE_RIGHTS) for p in policy.writable_files]
             leads_out = escapes(policy)

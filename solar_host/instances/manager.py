@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import importlib.util
 import json
 import logging
@@ -466,6 +467,13 @@ class InstanceManager:
             raise InvalidInstanceConfig(
                 [{**e, "loc": [*loc_prefix, *e["loc"]]} for e in err.errors]
             ) from None
+        if config.api_key is not None and hmac.compare_digest(
+            config.api_key.encode(), self.api_key().encode()
+        ):
+            # The host key, which GET shows in config.api_key of an instance without a key of
+            # its own (instance_json): a config read, edited and put back carried it. Kept,
+            # it stayed a key of that backend after the host key was changed.
+            config.api_key = None
         self._check_config(raw, config, loc_prefix, warnings)
         return config
 

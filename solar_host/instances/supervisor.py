@@ -39,6 +39,7 @@ from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
 from solar_host.logging_setup import instance_id_var
+from solar_host.model_store.roots import anchor_relative
 from solar_host.model_store.roots import check_config as check_model_roots
 
 if TYPE_CHECKING:
@@ -284,7 +285,11 @@ class Supervisor:
         try:
             # Again at start: a symlink inside a root may have been re-pointed since create.
             check_model_roots(config, settings.model_root_dirs)
-            preflight.check(backend, config, self.m.facts())  # not retried, nothing spawned
+            # The files as the backend will open them (relative: under MODELS_DIR, where the
+            # roots check judged them), never the host's working directory.
+            opened = config.model_copy()
+            anchor_relative(opened, settings.models_dir)
+            preflight.check(backend, opened, self.m.facts())  # not retried, nothing spawned
             hook = getattr(backend, "before_start", None)
             if hook is not None:
                 for w in hook(config, ctx) or ():
@@ -332,6 +337,12 @@ class Supervisor:
                     extra_reads=settings.backend_extra_read_dirs,
                     extra_writes=[*settings.backend_extra_write_dirs, *spec.write_dirs],
                     confine_writes=settings.backend_write_confinement,
+                    host_state=confinement.HostState(
+                        settings.config_file,
+                        settings.log_dir,
+                        settings.jobs_dir,
+                        settings.env_file,
+                    ),
                 )
                 return procs.spawn(
                     spec.argv,

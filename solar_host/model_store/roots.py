@@ -65,18 +65,27 @@ def confine(value: str, roots: Sequence[Path], field: str, given: str | None = N
             f"{field} is too long for a path (at most {PATH_MAX - 1} bytes, {NAME_MAX} per name)",
         )
     candidate = Path(value)
-    if not candidate.is_absolute():
-        candidate = roots[0] / candidate
-    real = _real(candidate)
-    for root in roots:
-        r = _real(root)
-        if real == r or r in real.parents:
-            return real
-    raise OutsideRoots(
+    outside = OutsideRoots(
         field,
         f"{field} '{value if given is None else given}' resolves outside of MODELS_DIR and "
         f"MODEL_ROOTS (allowed roots: {describe_roots(roots)})",
     )
+    if ".." in candidate.parts:
+        # realpath folds `x/..` away whatever x is, the kernel walks through x: through a
+        # file or a missing directory the two differ, and every later open of the value
+        # (an estimate, a preflight, the backend) answered whether x exists.
+        raise OutsideRoots(field, f"{field} must not contain '..' components")
+    if not candidate.is_absolute():
+        candidate = roots[0] / candidate
+    try:
+        real = _real(candidate)
+    except OSError:  # a component the host may not look into (/proc/1/root/...)
+        raise outside from None
+    for root in roots:
+        r = _real(root)
+        if real == r or r in real.parents:
+            return real
+    raise outside
 
 
 def _looks_like_path(value: str) -> bool:
@@ -124,6 +133,11 @@ def _pieces(value: str, depth: int = 0) -> Iterator[str]:
     yield value
     if depth >= 3:
         return
+    _name, eq, rest = value.partition("=")
+    if eq and rest:
+        # `--flag=VALUE` and `NAME=VALUE` whole first: VALUE may be JSON with its own commas
+        # and `=`, which the split below would cut into pieces that are neither.
+        yield from _pieces(rest, depth + 1)
     parts = re.split(r"[=,]", value)
     if len(parts) > 1:
         for part in parts:
@@ -286,11 +300,21 @@ def confine_contents(directory: Path, roots: Sequence[Path], field: str, given: 
                 ) from None
 
 
-def anchor_relative(config: Any, models_dir: Path) -> None:
+# The file fields a backend opens relative to its working directory (MODELS_DIR).
+LAUNCH_FILE_FIELDS = ("chat_template_file", "mmproj", "spec_draft_model")
+# Every field the host itself opens (estimates, preflight): relative, each means what it
+# means to the backend, MODELS_DIR/<value>, never the host's own working directory. A Hub id
+# in model_id becomes a directory under MODELS_DIR that is not there (no local estimate).
+HOST_OPENED_FIELDS = (*PATH_FIELDS, "model_id")
+
+
+def anchor_relative(
+    config: Any, models_dir: Path, fields: Sequence[str] = LAUNCH_FILE_FIELDS
+) -> None:
     """Make relative file fields absolute under MODELS_DIR, so the backend opens exactly the
     file that was checked (it would otherwise resolve them against its working directory).
     Applied to the copy a backend launches from: the stored config echoes what was sent."""
-    for name in ("chat_template_file", "mmproj", "spec_draft_model"):
+    for name in fields:
         value = getattr(config, name, None)
         if isinstance(value, str) and value and not Path(value).is_absolute():
             setattr(config, name, str(models_dir / value))
