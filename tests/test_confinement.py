@@ -425,6 +425,7 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
         "config.json": '{"instances": []}\n',
         "config.json.prev": "{}\n",
         "config.json.host-id": "h\n",
+        ".config.json.x1y2.tmp": "{}\n",
         "api_key": "the-host-key\n",
         "reservations.json": "{}\n",
         "logs/host.log": "a prompt\n",

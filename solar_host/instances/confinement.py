@@ -253,8 +253,9 @@ class HostState:
         ]
         if self.env_file is not None:
             whole.append(os.path.realpath(self.env_file))
-        prefixes = [os.path.basename(config), *STATE_FILE_PREFIXES]
-        return folder, whole, prefixes
+        names = [os.path.basename(config), *STATE_FILE_PREFIXES]
+        # ... and the temporary files their writes rename into place (.config.json.*.tmp).
+        return folder, whole, [*names, *("." + n for n in names)]
 
     def holds(self, real: str) -> bool:
         """Whether the real path `real` is (or lies in) the host's state."""
