@@ -221,7 +221,7 @@ def test_config_rules(tmp_path: Path) -> None:
     bad({"backend_type": "nope", "alias": "a"}, "backend_type", "Unknown backend_type")
     bad({**base, "model_source": "repo://m:1", "model": None}, "model_source", "POST /models/pull")
     bad({**base, "model": "../outside.gguf"}, "model", "outside of MODELS_DIR")
-    bad({**base, "model": None, "model_source": "local://../x.gguf"}, "model_source", "outside")
+    bad({**base, "model": None, "model_source": "local://../x.gguf"}, "model_source", "'..'")
     bad(
         {"backend_type": "sglang", "alias": "a", "model_path": "/m", "extra_args": ["--por", "1"]},
         "extra_args",
