@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         "3 host unreachable or not a solar-host, 4 API key refused, 141 output pipe closed.",
     )
     p.add_argument("--version", action="version", version=f"solar-host {__version__}")
-    p.add_argument("--host", help="bind address (overrides HOST)")
-    p.add_argument("--port", type=int, help="port (overrides PORT)")
+    p.add_argument("--host", help="bind address of serve (overrides HOST)")
+    p.add_argument("--port", type=int, help="port of serve (overrides PORT)")
     # None: the implicit ./.env, which may be absent; a file named here must exist.
     p.add_argument("--env-file", default=None, help="settings file (default: ./.env)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -170,11 +170,11 @@ def handover(args: argparse.Namespace) -> int:
     except SettingsError as err:
         _err(str(err))
         return EXIT_USAGE
-    state_dir = settings.config_file.parent
+    state_dir = settings.config_file.absolute().parent
     try:
         pid = hand_over(state_dir, timeout=args.timeout)
     except HandOverError as err:
-        _err(str(err))
+        _err(f"{err}{_relative_hint(settings, ('config_file',))}")
         return EXIT_FAILED
     print(f"host pid {pid} exited; its backends keep serving until the next host adopts them")
     return EXIT_OK
@@ -215,9 +215,38 @@ def _serve(args: argparse.Namespace) -> int:
     return run_host(settings)
 
 
+def _relative_hint(settings: Any, fields: tuple[str, ...] = ("config_file", "jobs_dir")) -> str:
+    """What to say when the state was looked for through a relative CONFIG_FILE or JOBS_DIR:
+    they are relative to the working directory, which may not be the host's."""
+    relative = [
+        f"{name.upper()}={getattr(settings, name)}"
+        for name in fields
+        if not getattr(settings, name).is_absolute()
+    ]
+    if not relative:
+        return ""
+    them = "them as absolute paths" if len(relative) > 1 else "it as an absolute path"
+    return (
+        f" ({', '.join(relative)} relative to {Path.cwd()}: run this in the host's working "
+        f"directory, or set {them} in the env file)"
+    )
+
+
+def _absolute_state_paths(settings: Any) -> Any:
+    """`settings` with its state paths made absolute, so that what is said names them whole."""
+    return settings.model_copy(
+        update={
+            name: getattr(settings, name).absolute()
+            for name in ("config_file", "log_dir", "models_dir", "jobs_dir")
+        }
+    )
+
+
 def restore_state(args: argparse.Namespace) -> int:
     from solar_host.restore import restore_state as restore
+    from solar_host.restore import state_files
     from solar_host.settings import SettingsError, load_settings
+    from solar_host.statefiles import last_good_path
 
     try:
         env_file, required = env_file_choice(args)
@@ -225,7 +254,18 @@ def restore_state(args: argparse.Namespace) -> int:
     except SettingsError as err:
         print(f"solar-host: {err}", file=sys.stderr)
         return EXIT_USAGE
-    return restore(settings, dry_run=args.dry_run)
+    absolute = _absolute_state_paths(settings)
+    paths = [path for path, _ in state_files(absolute)]
+    if not any(os.path.lexists(p) or os.path.lexists(last_good_path(p)) for p in paths):
+        # Nothing to repair here: most likely not where the host keeps its state (a relative
+        # CONFIG_FILE run from another directory), where saying "ok" would mislead.
+        dirs = ", ".join(dict.fromkeys(str(p.parent) for p in paths))
+        _err(
+            f"no state files in {dirs}: is this the host's working directory or env file?"
+            f"{_relative_hint(settings)}"
+        )
+        return EXIT_FAILED
+    return restore(absolute, dry_run=args.dry_run)
 
 
 # --- client configuration -------------------------------------------------------------------
@@ -293,7 +333,9 @@ def _err(msg: str) -> None:
 
 
 def _warn_all(body: dict[str, Any]) -> None:
-    warnings = body.get("warnings") or ()
+    warnings = body.get("warnings")
+    if not warnings:
+        return
     for w in warnings if isinstance(warnings, list) else (warnings,):
         print(f"solar-host: warning: {visible(w)}", file=sys.stderr)
 
@@ -383,7 +425,13 @@ def cmd_instances(c: Any, args: argparse.Namespace) -> int:
 CREATE_FIELDS: tuple[tuple[str, str, Any, str], ...] = (
     ("--backend-type", "backend_type", str, "llamacpp, huggingface_causal, sglang, ..."),
     ("--alias", "alias", str, "routing name of the model, e.g. qwen3:8b"),
-    ("--model", "model", str, "model file, directory or id"),
+    (
+        "--model",
+        "model",
+        str,
+        "model file, directory or id (sent as `model` for llamacpp, `model_path` for sglang, "
+        "`model_id` for huggingface_*)",
+    ),
     ("--model-file", "model_file", str, "file (or glob) inside a model directory"),
     ("--model-source", "model_source", str, "a pulled model: huggingface://... or repo://..."),
     ("--ctx-size", "ctx_size", int, "context size in tokens"),
@@ -436,6 +484,14 @@ def strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
+def model_field(backend_type: str) -> str:
+    """The config field that names the model for `backend_type` (schemas.model_field_of, which
+    the command line does not import: it pulls in every backend's config)."""
+    if backend_type == "sglang":
+        return "model_path"
+    return "model_id" if backend_type.startswith("huggingface") else "model"
+
+
 def create_body(args: argparse.Namespace) -> dict[str, Any]:
     """The POST /instances body from --file, then the flags (a flag wins over the file)."""
     body: dict[str, Any] = {}
@@ -471,6 +527,11 @@ def create_body(args: argparse.Namespace) -> dict[str, Any]:
             config[dest] = value
     if not config.get("backend_type"):
         raise UsageError("create needs --backend-type (or a config with backend_type in --file)")
+    if args.cfg_model is not None:
+        # --model names the model whatever the backend calls the field.
+        field = model_field(str(config["backend_type"]))
+        if field != "model":
+            config[field] = config.pop("model")
     body["config"] = config
     if args.priority:
         body["priority"] = args.priority
@@ -493,11 +554,20 @@ def cmd_create(c: Any, args: argparse.Namespace) -> int:
     return _lifecycle_with_phases(c, args, inst, "start", created=created)
 
 
+# Statuses in which the host deletes an instance; in any other it must be stopped first.
+DELETABLE = ("stopped", "failed")
+
+
 def cmd_delete(c: Any, args: argparse.Namespace) -> int:
     inst = c.find_instance(args.instance)
+    stopped = None
+    if inst.get("status") not in DELETABLE:
+        stopped = c.stop(inst["id"])
+        if not args.json:
+            print(_state_line(_record(stopped, "instance", inst)), flush=True)
     body = c.delete(inst["id"])
     if args.json:
-        print_json(body)
+        print_json(body if stopped is None else {**body, "stopped": stopped})
     else:
         print(f"deleted {_label(inst)}")
     return EXIT_OK
@@ -840,7 +910,9 @@ CLIENT_COMMANDS: tuple[ClientCommand, ...] = (
         _cmd_with_phases("restart"),
         _instance_arg,
     ),
-    ClientCommand("delete", "delete an instance (stops it first)", cmd_delete, _instance_arg),
+    ClientCommand(
+        "delete", "delete an instance (stops it first if it runs)", cmd_delete, _instance_arg
+    ),
     ClientCommand("logs", "an instance's log lines", cmd_logs, _logs_arguments),
     ClientCommand("pull", "download a model into MODELS_DIR", cmd_pull, _pull_arguments),
     ClientCommand("models", "list pulled models", cmd_models),
@@ -920,8 +992,32 @@ def _silence_stdout() -> None:
         os.close(devnull)
 
 
+def _serve_flags_elsewhere(args: argparse.Namespace) -> str | None:
+    """Why the global --host/--port cannot go with this command (they set where `serve`
+    listens, and would otherwise be dropped without a word); None when they may."""
+    if args.command in (None, "serve") or (args.host is None and args.port is None):
+        return None
+    given = " and ".join(
+        flag for flag, v in (("--host", args.host), ("--port", args.port)) if v is not None
+    )
+    if args.command in {command.name for command in CLIENT_COMMANDS}:
+        return (
+            f"{given} set where `serve` listens, not the host {args.command} talks to: "
+            "pass --url http://HOST:PORT (or set SOLAR_HOST_URL)"
+        )
+    verb = "only apply" if " and " in given else "only applies"
+    return (
+        f"{given} {verb} to `serve`; {args.command} takes HOST and PORT from the settings "
+        "(the env file or the environment)"
+    )
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    refused = _serve_flags_elsewhere(args)
+    if refused is not None:
+        _err(refused)
+        return EXIT_USAGE
     if getattr(args, "handler", None) is not None:
         return int(args.handler(args))
     if args.command is None:

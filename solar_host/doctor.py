@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from solar_host.settings import PLACEHOLDER_API_KEYS, Settings
+from solar_host.settings import PLACEHOLDER_API_KEYS, Settings, unexpanded_paths
 
 MIN_KEY_LENGTH = 16
 
@@ -27,6 +27,8 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    # Passed, but with something to fix (shown as [warn]; the exit status stays 0).
+    warning: bool = False
 
 
 # --- the checks (each pure apart from the probe it names) ------------------------------
@@ -51,7 +53,9 @@ def check_backends(settings: Settings, probe: Any) -> tuple[Check, dict[str, Any
         "backends",
         bool(usable),
         f"can run: {', '.join(usable)}" if usable else "no backend can run on this host",
-        "" if usable else "pip install 'solar-host[llamacpp]' (or see the reasons above)",
+        ""
+        if usable
+        else "pip install '.[llamacpp]' in the solar-host checkout (or see the reasons above)",
     )
     return check, {bt: a.as_dict() for bt, a in table.items()}
 
@@ -66,7 +70,24 @@ def _key(settings: Settings) -> tuple[str, str]:
         return "", ""
 
 
-def check_api_key(settings: Settings) -> Check:
+def _env_file_exposes_key(env_file: str | Path | None) -> str | None:
+    """`env_file` when it holds an API_KEY and group or others may read it; else None."""
+    from solar_host.envfile import EnvFileError, read_env_file
+
+    if env_file is None:
+        return None
+    try:
+        mode = os.stat(env_file).st_mode
+        values = read_env_file(env_file, required=True)
+    except (OSError, EnvFileError):
+        return None
+    holds_key = any(k.upper() == "API_KEY" and v.strip() for k, v in values.items())
+    if not holds_key or not mode & 0o044:
+        return None
+    return f"{Path(env_file).absolute()} (mode {mode & 0o777:04o})"
+
+
+def check_api_key(settings: Settings, env_file: str | Path | None = None) -> Check:
     key, where = _key(settings)
     if not key:
         return Check(
@@ -86,7 +107,17 @@ def check_api_key(settings: Settings) -> Check:
             f"use at least {MIN_KEY_LENGTH} random characters, e.g. "
             "python -c 'import secrets; print(secrets.token_hex(32))'",
         )
-    return Check("api key", True, f"set ({where}, {len(key)} characters)")
+    detail = f"set ({where}, {len(key)} characters)"
+    exposed = _env_file_exposes_key(env_file)
+    if exposed is not None:
+        return Check(
+            "api key",
+            True,
+            f"{detail}, but the env file holding it is readable by other users: {exposed}",
+            f"chmod 600 {Path(env_file).absolute()}" if env_file is not None else "",
+            warning=True,
+        )
+    return Check("api key", True, detail)
 
 
 def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
@@ -142,6 +173,7 @@ def _writable(path: Path) -> tuple[bool, str]:
 
 
 def check_directories(settings: Settings) -> list[Check]:
+    unexpanded = dict(unexpanded_paths(settings))
     out = []
     for setting, path in (
         ("CONFIG_FILE", settings.config_file.absolute().parent),
@@ -149,9 +181,23 @@ def check_directories(settings: Settings) -> list[Check]:
         ("MODELS_DIR", settings.models_dir),
         ("JOBS_DIR", settings.jobs_dir),
     ):
+        label = "config dir" if setting == "CONFIG_FILE" else setting.lower()
+        if setting in unexpanded:
+            # MODELS_DIR=~/models: a directory named `~` in the working directory.
+            out.append(
+                Check(
+                    f"{label} writable",
+                    False,
+                    f"{setting}={unexpanded[setting]} is taken as written (the env file does "
+                    f"no ~ or $ expansion): it means {path.absolute()}",
+                    f"write the full path, e.g. {setting}={Path.home() / 'models'}"
+                    if setting == "MODELS_DIR"
+                    else f"write {setting} as a full path (/srv/solar-host/...)",
+                )
+            )
+            continue
         ok, detail = _writable(path)
         fix = "" if ok else f"make it writable (chown/chmod) or point {setting} elsewhere"
-        label = "config dir" if setting == "CONFIG_FILE" else setting.lower()
         out.append(Check(f"{label} writable", ok, detail, fix))
     return out
 
@@ -182,7 +228,7 @@ def check_gpu(probe: Any) -> Check:
             "gpu",
             False,
             "an NVIDIA device is present but NVML sees none",
-            "pip install 'solar-host[nvidia]' and check the driver (nvidia-smi)",
+            "pip install '.[nvidia]' in the solar-host checkout and check the driver (nvidia-smi)",
         )
     return Check("gpu", True, f"{kind} (no GPU: llama.cpp runs on the CPU)")
 
@@ -240,7 +286,7 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
         linked = hard_linked_code() if settings.backend_write_confinement else None
         if linked is not None:
             return Check(
-                "read confinement",
+                "write confinement",
                 False,
                 f"solar-host's code is hard-linked ({linked[0]} has {linked[1]} names): a copy "
                 "in a package cache backends may write (uv's, in ~/.cache) is the same file",
@@ -250,7 +296,7 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
         if exposed:
             what = "; ".join(f"{path} lies in {tree}" for path, tree in exposed)
             return Check(
-                "read confinement",
+                "write confinement",
                 False,
                 f"backends may write the host's own files: {what}",
                 "keep CONFIG_FILE, LOG_DIR and JOBS_DIR out of TMPDIR (else /tmp) and the "
@@ -338,8 +384,9 @@ def diagnose(
     *,
     probe: Any = None,
     docker_connect: Callable[[], Any] | None = None,
+    env_file: str | Path | None = None,
 ) -> tuple[dict[str, Any], list[Check]]:
-    """(backend availability table, checks) for `settings`."""
+    """(backend availability table, checks) for `settings` (read from `env_file`, if any)."""
     if probe is None:
         from solar_host.resources.probes import LiveProbe
 
@@ -347,7 +394,7 @@ def diagnose(
     backends_check, table = check_backends(settings, probe)
     checks = [
         backends_check,
-        check_api_key(settings),
+        check_api_key(settings, env_file),
         check_port(settings, _key(settings)[0]),
         *check_directories(settings),
         check_disk(settings, probe),
@@ -370,13 +417,17 @@ def render(table: dict[str, Any], checks: list[Check], out: TextIO) -> None:
     out.write("\nChecks:\n")
     width = max(len(c.name) for c in checks)
     for c in checks:
-        out.write(f"  [{'ok' if c.ok else 'FAIL':>4}] {c.name:<{width}}  {c.detail}\n")
-        if not c.ok and c.fix:
+        mark = "FAIL" if not c.ok else "warn" if c.warning else "ok"
+        out.write(f"  [{mark:>4}] {c.name:<{width}}  {c.detail}\n")
+        if (not c.ok or c.warning) and c.fix:
             out.write(f"         {'':<{width}}  fix: {c.fix}\n")
     failed = [c.name for c in checks if not c.ok]
+    warned = [c.name for c in checks if c.ok and c.warning]
     out.write(
         f"\n{len(checks) - len(failed)}/{len(checks)} checks passed"
-        + (f"; failing: {', '.join(failed)}\n" if failed else "\n")
+        + (f"; failing: {', '.join(failed)}" if failed else "")
+        + (f"; warnings: {', '.join(warned)}" if warned else "")
+        + "\n"
     )
 
 
@@ -387,10 +438,13 @@ def run(
     out: TextIO | None = None,
     probe: Any = None,
     docker_connect: Callable[[], Any] | None = None,
+    env_file: str | Path | None = None,
 ) -> int:
-    """Print the report; 0 when every check passed, 1 otherwise."""
+    """Print the report; 0 when every check passed (warnings included), 1 otherwise."""
     out = out or sys.stdout
-    table, checks = diagnose(settings, probe=probe, docker_connect=docker_connect)
+    table, checks = diagnose(
+        settings, probe=probe, docker_connect=docker_connect, env_file=env_file
+    )
     if as_json:
         json.dump({"backends": table, "checks": [asdict(c) for c in checks]}, out, indent=2)
         out.write("\n")
@@ -422,4 +476,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     for warning in settings.load_warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    return run(settings, as_json=bool(getattr(args, "json", False)))
+    return run(
+        settings,
+        as_json=bool(getattr(args, "json", False)),
+        env_file=env_file if os.path.isfile(env_file) else None,
+    )

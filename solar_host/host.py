@@ -131,12 +131,19 @@ class Host:
         self.api_key = key
         add_secrets(key)  # never in a log line, whoever prints it
         if generated:
-            # Printed once, on the terminal that started the host, and never logged.
-            print(
-                f"solar-host: generated API key (stored in {self.settings.api_key_file}):\n  {key}",
-                file=sys.stderr,
-                flush=True,
-            )
+            stored = self.settings.api_key_file.absolute()
+            if sys.stderr.isatty():
+                # Printed once, on the terminal that started the host, and never logged.
+                print(
+                    f"solar-host: generated API key (stored in {stored}):\n  {key}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                # stderr is a journal or a log file: kept, and read by more than the operator.
+                log.warning(
+                    "generated API key stored in %s (not shown; read it from that file)", stored
+                )
         for warning in self.settings.load_warnings:
             log.warning("%s", warning)
         if self.settings.solar_control_api_key:

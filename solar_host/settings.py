@@ -370,6 +370,17 @@ class Settings(BaseModel):
     def _strip(cls, v: object) -> object:
         return v.strip() if isinstance(v, str) else v
 
+    @field_validator("host")
+    @classmethod
+    def _refuse_url_host(cls, v: str) -> str:
+        # HOST=http://... (a client's URL variable, as old examples named it) is no address.
+        if "://" in v or "/" in v:
+            raise ValueError(
+                f"{v!r} is a URL or a path, not an address to bind (such as 0.0.0.0 or "
+                "127.0.0.1); the command line takes a host's URL from SOLAR_HOST_URL or --url"
+            )
+        return v
+
     @field_validator("control_report_echo_s")
     @classmethod
     def _check_echo(cls, v: str) -> str:
@@ -503,6 +514,38 @@ def settings_warnings(file_values: Mapping[str, str], environ: Mapping[str, str]
     return out
 
 
+# Settings that name paths; the lists among them are comma-separated.
+PATH_SETTINGS = (
+    "config_file",
+    "log_dir",
+    "models_dir",
+    "jobs_dir",
+    "hf_cache_dir",
+    "llama_server_bin",
+    "sglang_venv_path",
+    "sglang_prompt_cache_dir",
+)
+PATH_LIST_SETTINGS = ("model_roots", "backend_read_paths", "backend_write_paths")
+NO_EXPANSION = "neither the env file nor the host expands ~ or $VARIABLES; write the full path"
+
+
+def unexpanded_paths(settings: Settings) -> list[tuple[str, str]]:
+    """(NAME, value) for each path setting that starts with ~ or holds a $: a shell would
+    have expanded them, the env file does not, so the host would make a directory named `~`
+    (or `$HOME`) in its working directory. MODEL_ROOTS alone expands a leading ~."""
+    found = []
+    for name in (*PATH_SETTINGS, *PATH_LIST_SETTINGS):
+        raw = getattr(settings, name, None)
+        if raw is None:
+            continue
+        items = _items(raw) if name in PATH_LIST_SETTINGS else [str(raw)]
+        for item in items:
+            tilde = item.startswith("~") and name != "model_roots"
+            if tilde or "$" in item:
+                found.append((name.upper(), item))
+    return found
+
+
 class SettingsError(Exception):
     """Start-up configuration is invalid; the message is one line naming the variable."""
 
@@ -560,7 +603,10 @@ def load_settings(
         settings = Settings(**merged)
     except ValidationError as err:
         raise SettingsError(describe_validation_error(err)) from None
-    settings._load_warnings = settings_warnings(file_values, env)
+    settings._load_warnings = settings_warnings(file_values, env) + [
+        f"{name}={value} is taken as written: {NO_EXPANSION}"
+        for name, value in unexpanded_paths(settings)
+    ]
     if env_file is not None and os.path.isfile(env_file):
         settings._env_file = Path(env_file).absolute()
     return settings

@@ -63,7 +63,9 @@ def is_locked(directory: Path) -> bool:
 
 def _try_lock(directory: Path) -> int:
     """An fd holding `directory`'s exclusive lock; raises StateLocked when it is taken."""
-    directory.mkdir(parents=True, exist_ok=True)
+    # 0750 as the host keeps its directories (LOG_DIR is first made here): one made 0755
+    # would be tightened, with a warning, at the host's first start.
+    directory.mkdir(parents=True, exist_ok=True, mode=0o750)
     fd = os.open(lock_path(directory), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -406,6 +406,38 @@ async def test_serve_refuses_invalid_settings_in_one_line(tmp_path: Path) -> Non
     assert rc == 2 and "LOG_FORMAT" in err
 
 
+async def test_create_says_no_empty_warning_and_delete_stops_a_running_instance(
+    tmp_path: Path,
+) -> None:
+    """`create` with no warnings prints none (it printed `warning: ()`); `delete` of a running
+    instance stops it first, as its help says, and shows both steps."""
+    reg = BackendRegistry([ScriptBackend()])
+    async with running_host(host_settings(tmp_path), backends=reg) as h:
+        conn = ("--url", h.url, "--api-key", API_KEY)
+        spec = tmp_path / "spec.json"
+        cfg = model_cfg(tmp_path)
+        del cfg["fake_args"]  # the host warns of it as an unknown field: here, no warning at all
+        spec.write_text(json.dumps(cfg))
+        rc, out, err = await cli("create", "--file", str(spec), "--start", *conn, cwd=tmp_path)
+        assert rc == 0 and err == "", (out, err)
+        iid = out.split()[1]
+        rc, out, err = await cli("delete", "fake:1b", *conn, cwd=tmp_path)
+        assert rc == 0, (out, err)
+        assert out.splitlines() == [f"{iid}: stopped", f"deleted {iid} (fake:1b)"], out
+        assert (await h.client.get("/instances")).json() == []
+        # --json: the delete's answer, with the stop's under "stopped"
+        rc, out, err = await cli("create", "--file", str(spec), "--start", *conn, cwd=tmp_path)
+        assert rc == 0 and err == "", err
+        rc, out, err = await cli("delete", "fake:1b", "--json", *conn, cwd=tmp_path)
+        assert rc == 0, err
+        assert json.loads(out)["stopped"]["instance"]["status"] == "stopped"
+        # a stopped one is deleted without a stop
+        rc, out, err = await cli("create", "--file", str(spec), *conn, cwd=tmp_path)
+        assert rc == 0 and err == "", err
+        rc, out, err = await cli("delete", "fake:1b", *conn, cwd=tmp_path)
+        assert rc == 0 and out.startswith("deleted ") and len(out.splitlines()) == 1, out
+
+
 async def test_log_stream_errors_map_to_exit_code_classes(tmp_path: Path) -> None:
     from solar_host.client import AuthFailed, HostUnreachable, OperationFailed
 

@@ -137,7 +137,7 @@ async def test_readme_examples_run_against_a_live_host(
     async with running_host(settings, backends=BackendRegistry([ScriptBackend()])) as h:
         env = {
             **os.environ,
-            "HOST": h.url,
+            "SOLAR_HOST_URL": h.url,
             "API_KEY": API_KEY,
             "MODEL": str(model),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 MARKER = "# five-minutes: "
-INSTALL_LINE = "python3 -m venv .venv && .venv/bin/pip install -q 'solar-host[llamacpp]'"
+INSTALL_LINE = "python3 -m venv .venv && .venv/bin/pip install -q '.[llamacpp]'"
 TAG_VAR = "SOLAR_FIVE_MINUTES_TAG"
 
 pytestmark = [
@@ -54,6 +54,28 @@ def test_readme_has_the_five_minute_path() -> None:
     titles = [t for t, _ in five_minute_blocks()]
     assert titles == ["install", "start the host", "pull a model and start it", "chat", "stop"]
     assert INSTALL_LINE in five_minute_blocks()[0][1]
+
+
+def test_readme_installs_from_the_checkout_not_the_unrelated_pypi_package() -> None:
+    """`solar-host` on PyPI is another author's program: no README command may install it, and
+    the README says so where it shows the install."""
+    text = README.read_text(encoding="utf-8")
+    assert not re.search(r"pip install[^\n`]*'solar-host\[", text), "installs the PyPI package"
+    assert "not published\non PyPI" in text or "not published on PyPI" in text
+
+
+def test_readme_examples_name_the_url_solar_host_url_not_host() -> None:
+    """HOST is the bind address the host reads: a URL in it (as `HOST=http://...` examples
+    had operators export) stops the host. The examples use SOLAR_HOST_URL, which the command
+    line reads too, and the wait for the host is bounded."""
+    text = README.read_text(encoding="utf-8")
+    assert not re.search(r"\$\{?HOST\b", text)
+    assert not re.search(r"^\s*(export\s+)?HOST=http", text, re.M)
+    start = dict(five_minute_blocks())["start the host"]
+    assert "SOLAR_HOST_URL=" in start
+    assert all(
+        line.lstrip().startswith("timeout ") for line in start.splitlines() if "until " in line
+    )
 
 
 @pytest.fixture
