@@ -192,7 +192,8 @@ class Settings(BaseModel):
     llama_server_bin: str = Field(
         default="llama-server",
         description="llama-server executable (a path or a name on PATH). Unset and not on "
-        "PATH: the llama.cpp server of the xllamacpp distribution (solar-host[llamacpp]).",
+        "PATH: the llama.cpp server of the xllamacpp distribution (the llamacpp extra: "
+        "pip install '.[llamacpp]' in the solar-host checkout).",
     )
     strict_config: bool = Field(
         default=False,

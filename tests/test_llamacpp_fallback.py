@@ -108,7 +108,7 @@ def test_nothing_installed_names_the_fix(bare_path: None, monkeypatch: pytest.Mo
     )
     found = llamacpp_exec.resolve("llama-server")
     assert not found.available
-    for part in ("LLAMA_SERVER_BIN", "solar-host[llamacpp]", "PATH"):
+    for part in ("LLAMA_SERVER_BIN", "llamacpp extra", "PATH"):
         assert part in found.reason
     assert "llama-server-vulkan" not in found.reason
 

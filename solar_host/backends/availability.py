@@ -20,7 +20,8 @@ def _huggingface(facts: HostFacts) -> Availability:
     return Availability(
         False,
         reason="torch and transformers are not installed in this Python: "
-        "pip install 'solar-host[huggingface]' (CPU-only torch: see the README)",
+        "install the huggingface extra (pip install '.[huggingface]' in the solar-host "
+        "checkout; CPU-only torch: see the README)",
     )
 
 

@@ -1,9 +1,9 @@
 """Which llama-server this host runs (ruling 9).
 
 In order: LLAMA_SERVER_BIN when the operator set it; `llama-server` on PATH; the llama.cpp
-server of the `xllamacpp` distribution (`pip install 'solar-host[llamacpp]'`), run by this
-host's Python. An explicit LLAMA_SERVER_BIN that does not resolve is reported as such, never
-replaced by a fallback the operator did not ask for.
+server of the `xllamacpp` distribution (the `llamacpp` extra: `pip install '.[llamacpp]'` in
+the solar-host checkout), run by this host's Python. An explicit LLAMA_SERVER_BIN that does
+not resolve is reported as such, never replaced by a fallback the operator did not ask for.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 DEFAULT_BIN = "llama-server"
 XLLAMACPP = "xllamacpp"
 INSTALL_HINT = (
-    "pip install 'solar-host[llamacpp]' (the xllamacpp distribution), put llama-server on PATH, "
-    "or set LLAMA_SERVER_BIN to its path"
+    "install the llamacpp extra (pip install '.[llamacpp]' in the solar-host checkout: the "
+    "xllamacpp distribution), put llama-server on PATH, or set LLAMA_SERVER_BIN to its path"
 )
 
 
