@@ -176,7 +176,10 @@ class InstanceManager:
                 self.changed(sup.id, S.STOPPED.value, "boot")
             # Not a failed one: a failure is left for its owner (the operator, or control for
             # an intent-managed instance); a shutdown records as stopped what it interrupted.
-            if sup.stored.want_running and inst.status == S.STOPPED:
+            # Except where the host still owed it a start (restart_due: a crash restart in its
+            # backoff, a start pausing between attempts) when it was killed or handed over.
+            due = inst.status == S.FAILED and sup.stored.restart_due
+            if sup.stored.want_running and (inst.status == S.STOPPED or due):
                 to_start.append(sup)
         # Written when re-adoption or the load changed anything (an older format, a backend
         # gone); a restart that finds everything as recorded writes nothing (store.on_disk).

@@ -75,6 +75,10 @@ class StoredInstance(Tracked):
     process: ProcessRecord | None = None
     # Whether the operator wants it serving: decides what boot starts again.
     want_running: bool = False
+    # A crash restart (in its backoff) or the next attempt of a start is due: the host still
+    # owes this `failed` instance a start, so boot starts it. False once the host gives up
+    # (a crash loop, a start out of attempts) or the start ends. Absent in older records.
+    restart_due: bool = False
 
 
 @dataclass
@@ -229,6 +233,8 @@ class InstanceStore:
         for index, entry in enumerate(entries):
             try:
                 stored = self._parse_entry(entry)
+                if isinstance(entry, dict) and entry.get("restart_due") is True:
+                    stored.restart_due = True  # anything else (older hosts: absent) is not due
                 if stored.instance.id in seen:
                     raise ValueError(f"duplicate instance id {stored.instance.id!r}")
             except (ConfigError, ValidationError, ValueError, TypeError, KeyError) as err:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,6 +80,30 @@ async def _off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) 
 async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
     """A backend spawned for a start that was cancelled meanwhile: nobody will manage it."""
     await procs.terminate(proc, 1.0)
+
+
+def backend_age_s(proc: procs.BackendProcess, rec: ProcessRecord) -> float:
+    """Seconds since an adopted backend was spawned: what its start has used of its deadline.
+
+    From the kernel, on the boot clock: uptime minus the process's start time in ticks. Neither
+    moves when the wall clock is stepped (NTP, an operator's `date`), so a backend spawned
+    seconds before such a step is not taken for one hours old and killed as past its deadline.
+    The live process's identity is the recorded one (or, for a record older than boot ids,
+    the same pid and command line): its ticks count from this boot. The record's spawned_at
+    (wall clock) only where the kernel cannot tell. Blocking (/proc reads)."""
+    ident = proc.identity
+    if ident.boot_id == ownership.boot_id():
+        try:
+            with open("/proc/uptime", "rb") as f:
+                uptime = float(f.read().split()[0])
+            return max(uptime - ident.start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+        except (OSError, ValueError, IndexError):
+            pass
+    if rec.spawned_at:
+        with contextlib.suppress(ValueError, TypeError):
+            spawned = datetime.fromisoformat(rec.spawned_at)
+            return max((datetime.now(UTC) - spawned).total_seconds(), 0.0)
+    return 0.0
 
 
 class Supervisor:
@@ -163,7 +188,12 @@ class Supervisor:
     ) -> Any:
         """A start: up to `attempts` (1 + MAX_RETRIES) attempts until `deadline` (monotonic;
         START_DEADLINE_S from now). An adopted start that failed passes what it has left."""
-        await admit_start(self)  # fit check and placement: 409 before anything is spawned
+        try:
+            await admit_start(self)  # fit check and placement: 409 before anything is spawned
+        except Exception:
+            if not restart:
+                await self._nothing_due()
+            raise
         token = instance_id_var.set(self.id)
         settings = self.m.settings
         if deadline is None:
@@ -187,6 +217,14 @@ class Supervisor:
                     log.warning(
                         "start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason
                     )
+                    # What failed now often clears in a moment (a port or GPU memory that the
+                    # crashed process still held): pause before the next attempt, doubling.
+                    pause = min(
+                        settings.restart_backoff_s * 2**attempt,
+                        settings.restart_backoff_max_s,
+                        max(deadline - time.monotonic(), 0.0),
+                    )
+                    again = err.retryable and attempt + 1 < attempts and deadline > time.monotonic()
                     self.set_status(
                         S.FAILED,
                         reason="start_failed",
@@ -196,19 +234,21 @@ class Supervisor:
                         port=None,
                         started_at=None,
                     )
+                    if again or not restart:
+                        # On disk with the failure: a host killed or handed over in the pause
+                        # starts it at boot instead of leaving it failed; after the last
+                        # attempt, nothing is due (a crash restart's: see _restart_after).
+                        self.stored.restart_due = again
                     await self.m.persist()
                     if not err.retryable:
                         break
-                    # What failed now often clears in a moment (a port or GPU memory that the
-                    # crashed process still held): pause before the next attempt, doubling.
-                    pause = min(
-                        settings.restart_backoff_s * 2**attempt,
-                        settings.restart_backoff_max_s,
-                        max(deadline - time.monotonic(), 0.0),
-                    )
-                    if attempt + 1 < attempts and pause > 0:
+                    if again and pause > 0:
                         await asyncio.sleep(pause)
                     continue
+                if self.stored.restart_due:
+                    # It serves: nothing is due. Not awaited, as the ready state's own save.
+                    self.stored.restart_due = False
+                    self.m.persist_soon()
                 self.counters["starts"] += 1
                 self.m.bus.publish(InstanceStartFinished(self.id, True, restart))
                 return self.instance
@@ -229,9 +269,23 @@ class Supervisor:
                 self._tail(),
                 retryable=last.retryable if last else True,
             )
+        except Exception:
+            # Out of attempts or time, or ended by what no attempt retries (a port taken, a
+            # failed write): it stays as it is. Whether a failed crash restart is tried again
+            # is the restart loop's decision (_restart_after). A cancel (a stop, a hand-over)
+            # is not an end: the stop decides, and a hand-over leaves what is due on disk.
+            if not restart:
+                await self._nothing_due()
+            raise
         finally:
             end_start(self)
             instance_id_var.reset(token)
+
+    async def _nothing_due(self) -> None:
+        """No restart or retry is due any more (see StoredInstance.restart_due): on disk."""
+        if self.stored.restart_due:
+            self.stored.restart_due = False
+            await self.m.persist()
 
     def _tail(self) -> list[str]:
         n = self.m.settings.start_failure_log_tail_lines
@@ -571,13 +625,17 @@ class Supervisor:
             S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
         )
         self.m.bus.publish(InstanceCrashed(self.id, code))
-        await self.m.persist()
         self._after_stop_hook()
+        # Decided before the save, so the failure and whether a restart is due reach the disk
+        # together: a host killed in the backoff starts it at boot.
         self._schedule_restart()
+        await self.m.persist()
 
     def _schedule_restart(self) -> None:
-        """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops."""
+        """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops.
+        Records whether a restart is due (StoredInstance.restart_due); the caller saves it."""
         settings = self.m.settings
+        self.stored.restart_due = False
         if self.instance.managed_by == "intent" or not self.stored.want_running or self.deleted:
             log.info(
                 "not restarting %s: recovery is %s",
@@ -600,6 +658,7 @@ class Supervisor:
             return
         delay = min(settings.restart_backoff_s * (2 ** (n - 1)), settings.restart_backoff_max_s)
         log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
+        self.stored.restart_due = True
         self.restart_task = asyncio.create_task(
             self._restart_after(delay), name=f"restart:{self.id}"
         )
@@ -623,6 +682,9 @@ class Supervisor:
             # try comes after the next backoff, until RESTART_MAX_IN_WINDOW, rather than never.
             if err.retryable:
                 self._schedule_restart()
+                await self.m.persist()
+            else:
+                await self._nothing_due()
         except InstanceConflict as err:
             # Not the backend's failure: the fit check or a taken port refused the restart.
             # Said where the operator looks, not only in the host's log.
@@ -631,6 +693,7 @@ class Supervisor:
                 f"{self.instance.error_message}; the restart was refused: {err.detail}"
             )
             self.m.changed(self.id, self.status.value, "restart_refused")
+            await self._nothing_due()
         except asyncio.CancelledError:
             pass
 
@@ -687,7 +750,9 @@ class Supervisor:
                 # A stop the next boot would undo (it starts what config.json says is wanted)
                 # is refused with 507, and the backend keeps serving.
                 await self._record_intent(False)
-            restart_pending = self.restart_task is not None and not self.restart_task.done()
+            # A crash restart in its backoff, or the next attempt of a start that is pausing:
+            # StoredInstance.restart_due, set for both.
+            restart_pending = self.stored.restart_due
             self._cancel(self.restart_task)
             self.restart_task = None
             task = self.start_task
@@ -696,6 +761,8 @@ class Supervisor:
                 with contextlib.suppress(BaseException):
                     await task
             self._cancel(self._adopt_task)
+            if forget_intent:
+                self.stored.restart_due = False  # the operator's stop ends what was due
             if self.status == S.STOPPED:
                 await self.m.persist()  # the intent, if it changed (same bytes: no write)
                 return self.instance
@@ -713,6 +780,8 @@ class Supervisor:
                     started_at=None,
                     error_message=None,
                 )
+                # Stopped (and, at a host shutdown, still wanted): boot starts it as such.
+                self.stored.restart_due = False
                 self._after_stop_hook()
                 await self.m.persist()
                 return self.instance
@@ -1013,17 +1082,15 @@ class Supervisor:
 
     async def _await_adopted_ready(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
         settings = self.m.settings
-        spawned = rec.spawned_at
-        elapsed = 0.0
-        if spawned:
-            with contextlib.suppress(ValueError):
-                elapsed = (datetime.now(UTC) - datetime.fromisoformat(spawned)).total_seconds()
-        # The start that spawned it had START_DEADLINE_S in all; a few seconds at least, so a
-        # backend that became ready while the host was down is still seen as ready.
-        timeout = max(settings.start_deadline_s - max(elapsed, 0.0), 5.0)
+        # The start that spawned it had START_DEADLINE_S in all, counted from its spawn: this
+        # wait and the retries after it share what is left (monotonic from here on).
+        age = await asyncio.to_thread(backend_age_s, proc, rec)
+        deadline = time.monotonic() + settings.start_deadline_s - age
+        # A few seconds at least, so a backend that became ready while the host was down is
+        # still seen as ready.
+        timeout = max(deadline - time.monotonic(), 5.0)
         backend = self.backend()
         config = self.instance.config
-        adopted_at = time.monotonic()
         try:
             await self._wait_ready(proc, backend, config.host, rec.port, timeout)
         except AttemptFailed as err:
@@ -1034,6 +1101,15 @@ class Supervisor:
             self.proc = None
             self.stored.process = None
             self.m.ports.release(rec.port)
+            # The start that spawned it had retries left: they are this adoption's, within
+            # that start's deadline, as if the host had never restarted.
+            retry = (
+                err.retryable
+                and settings.max_retries > 0
+                and deadline > time.monotonic()
+                and self.stored.want_running
+                and not self.deleted
+            )
             self.set_status(
                 S.FAILED,
                 reason="start_failed",
@@ -1042,26 +1118,16 @@ class Supervisor:
                 port=None,
                 started_at=None,
             )
+            self.stored.restart_due = retry  # on disk with the failure: a kill now loses no retry
             await self.m.persist()
             self._after_stop_hook()
-            # The start that spawned it had retries left: they are this adoption's, within
-            # that start's deadline, as if the host had never restarted.
-            left = settings.start_deadline_s - max(elapsed, 0.0) - (time.monotonic() - adopted_at)
-            if (
-                err.retryable
-                and settings.max_retries > 0
-                and left > 0
-                and self.stored.want_running
-                and not self.deleted
-            ):
+            if retry:
                 log.info(
                     "starting %s again: %d attempt(s) of the start it was in remain",
                     self.id,
                     settings.max_retries,
                 )
-                return await self._start(
-                    attempts=settings.max_retries, deadline=time.monotonic() + left
-                )
+                return await self._start(attempts=settings.max_retries, deadline=deadline)
             self.counters["start_failures"] += 1
             raise StartFailed(
                 self.id, err.reason, err.exit_code, self._tail(), retryable=err.retryable
@@ -1069,6 +1135,7 @@ class Supervisor:
         if self.follower is not None:
             self.follower.hot_polling = True
         self.set_status(S.RUNNING, reason="ready", started_at=datetime.now(UTC), error_message=None)
+        self.stored.restart_due = False  # the start it was in has ended
         self.m.persist_soon()
         self._watch(proc)
         return self.instance
@@ -1077,6 +1144,7 @@ class Supervisor:
         """The backend is gone: forget its process and port, and say so on disk."""
         self.proc = None
         self.stored.process = None
+        self.stored.restart_due = False  # stopped: boot starts it if it is still wanted
         self.m.ports.release(self.instance.port)
         self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
         await self.m.persist()
