@@ -21,9 +21,10 @@ from solar_host.statefiles import (
     PRIVATE,
     StateFileError,
     atomic_write_bytes,
+    check_api_key,
     last_good_path,
-    parse_api_key,
     read_state_bytes,
+    real_file,
 )
 from solar_host.statelock import StateLock, StateLocked, holder_pid, is_locked
 
@@ -55,7 +56,8 @@ def _check_reservations(path: Path, raw: bytes) -> str:
 
 
 def _check_api_key(path: Path, raw: bytes) -> str:
-    parse_api_key(path, raw)
+    # Also refuses a key that is not its copy's (a cut-short key parses as a key).
+    check_api_key(path, raw)
     return "an API key"
 
 
@@ -118,7 +120,10 @@ def _restore(settings: Settings, *, dry_run: bool, say: Callable[[str], None]) -
             left_damaged += 1
             continue
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        aside = path.with_name(f"{path.name}.damaged-{stamp}")
+        # A state file that is a symlink stays one: the file it links to is set aside and
+        # replaced (moving the link aside would leave a regular file in its place).
+        target = real_file(path)
+        aside = target.with_name(f"{target.name}.damaged-{stamp}")
         say(
             f"{path}: DAMAGED ({error})\n"
             f"  {'would be' if dry_run else 'is'} replaced by {prev} "
@@ -128,7 +133,7 @@ def _restore(settings: Settings, *, dry_run: bool, say: Callable[[str], None]) -
         if dry_run:
             continue
         data = prev.read_bytes()
-        if os.path.lexists(path):
-            os.replace(path, aside)
-        atomic_write_bytes(path, data, PRIVATE)
+        if os.path.lexists(target):
+            os.replace(target, aside)
+        atomic_write_bytes(target, data, PRIVATE)
     return 1 if left_damaged else 0

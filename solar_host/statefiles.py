@@ -3,7 +3,8 @@
 Three rules every state file follows:
 
 - Writes are atomic and fsynced (temp file, fsync, rename, fsync of the directory): a host
-  killed in the middle of a write leaves the previous file whole.
+  killed in the middle of a write leaves the previous file whole. A state file that is a
+  symlink is written through it: the file it links to is replaced, and stays linked.
 - Every write keeps the version it replaces as `<file>.prev`, the last good copy. The file being
   replaced is always one this host read and parsed, or wrote itself, so the copy is good. It is a
   hard link to the old inode (files are only ever replaced, never written in place): no copy.
@@ -44,9 +45,18 @@ class StateFileError(RuntimeError):
         super().__init__(describe_damage(path, error))
 
 
+def real_file(path: Path) -> Path:
+    """The file a write of `path` replaces: the target when `path` is a symlink (an operator's
+    CONFIG_FILE linked to a persistent disk), so that a write goes through the link and it
+    stays a link; `path` itself otherwise. Resolved at each use: the link may be changed."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
 def last_good_path(path: Path) -> Path:
-    """Where the version before the last write of `path` is kept."""
-    return path.with_name(path.name + ".prev")
+    """Where the version before the last write of `path` is kept: beside the file it links to,
+    when it is a symlink (where the write renames the new version)."""
+    target = real_file(path)
+    return target.with_name(target.name + ".prev")
 
 
 def describe_damage(path: Path, error: str) -> str:
@@ -96,6 +106,7 @@ def parse_json(path: Path, raw: bytes) -> Any:
 
 def sweep_temp_files(path: Path) -> None:
     """Temp files of writes that were killed midway: the real file is whole, drop them."""
+    path = real_file(path)  # the temp files are made beside the file a link points to
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -138,8 +149,11 @@ def atomic_write_bytes(
 ) -> None:
     """Write `data` to `path` so that readers see the old or the new file, never a mix.
 
-    With `keep_previous`, the file being replaced becomes `<path>.prev` first.
+    With `keep_previous`, the file being replaced becomes `<path>.prev` first. A symlink is
+    written through: the temp file, the rename and `.prev` are in its target's directory
+    (renaming over the link itself would replace it with a regular file).
     """
+    path = real_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -242,21 +256,51 @@ def parse_api_key(path: Path, raw: bytes) -> str:
     return key
 
 
+def _copy_key(prev: Path) -> str | None:
+    """The key held by the last good copy; None when there is none or it does not parse."""
+    try:
+        return parse_api_key(prev, prev.read_bytes())
+    except (OSError, StateFileError):
+        return None
+
+
+def check_api_key(path: Path, raw: bytes) -> str:
+    """The key in `raw` (the bytes of `path`), refused when it is not the key its last good
+    copy holds. The file is written once, with the copy: a key that differs from the copy's
+    was cut short or edited, and taking it would lock out every client holding the real key
+    (and restart every backend on it). An operator changing the key deletes the copy with the
+    edit, or sets API_KEY (README, State files)."""
+    key = parse_api_key(path, raw)
+    prev = last_good_path(path)
+    good = _copy_key(prev)
+    if good is not None and good != key:
+        raise StateFileError(
+            path,
+            f"the key ({len(key)} characters) is not the one its last good copy holds "
+            f"({len(good)} characters): cut short, or edited (to change the key, delete "
+            f"{prev.name} with the edit, or set API_KEY)",
+        )
+    return key
+
+
 def read_api_key(path: Path) -> str | None:
-    """The stored key; None when no file exists. Refuses an empty or unreadable file, and
-    keeps `<file>.prev` as a copy of a good key (the file is written once, so the last good
-    copy is a second copy)."""
+    """The stored key; None when no file exists. Refuses an empty or unreadable file and one
+    whose key is not its last good copy's (check_api_key). `<file>.prev`, the copy, is made
+    when there is none (a file from before copies, or one an operator rotated by deleting the
+    copy); an existing copy is never replaced from the file."""
     raw = read_state_bytes(path)
     if raw is None:
         return None
-    key = parse_api_key(path, raw)
+    key = check_api_key(path, raw)
     tighten_mode(path)
     prev = last_good_path(path)
-    try:
-        if prev.read_bytes() == raw:
-            return key
-    except OSError:
-        pass
+    if os.path.lexists(prev):
+        tighten_mode(prev)
+        if _copy_key(prev) is None:
+            # Left as it is: what it held cannot be told from here, and the key file is the
+            # one that passed. `restore-state` would find no copy to start from.
+            log.warning("the last good copy %s of the API key cannot be used; left unchanged", prev)
+        return key
     with contextlib.suppress(OSError):
         atomic_write_bytes(prev, raw, PRIVATE)
     return key

@@ -129,6 +129,12 @@ class InstanceManager:
         self.inotify = InotifyHub()
         # Off the start-up path (it looks for executables and Python packages).
         self._facts_task = asyncio.create_task(asyncio.to_thread(self.log_backends))
+        if result.legacy:
+            # Backends the previous release left serving: ended as it ended them at boot,
+            # before anything starts again; here, after every state file was found good.
+            from solar_host.instances import adopt_legacy
+
+            await asyncio.to_thread(adopt_legacy.settle, result.legacy)
         if result.roles:
             self.roles = result.roles
         for stored in result.records:

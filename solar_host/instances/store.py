@@ -86,6 +86,9 @@ class LoadResult:
     records: list[StoredInstance] = field(default_factory=list)
     quarantined: list[QuarantinedEntry] = field(default_factory=list)
     roles: list[str] | None = None
+    # Records read from the previous release's format: their backends may still serve, for
+    # the manager's start to settle (adopt_legacy) before anything starts again.
+    legacy: list[StoredInstance] = field(default_factory=list)
 
 
 @dataclass
@@ -229,6 +232,7 @@ class InstanceStore:
             result.roles = roles
         self.extra = {k: v for k, v in doc.items() if k not in ("roles", "instances")}
         self.quarantined = []
+        self._legacy: set[str] = set()  # ids of entries in the previous release's format
         seen: set[str] = set()
         for index, entry in enumerate(entries):
             try:
@@ -242,6 +246,8 @@ class InstanceStore:
                 continue
             seen.add(stored.instance.id)
             result.records.append(stored)
+            if stored.instance.id in self._legacy:
+                result.legacy.append(stored)
         result.quarantined = list(self.quarantined)
         return result
 
@@ -256,8 +262,12 @@ class InstanceStore:
                 raise ValueError(f"want_running is {_kind(want)}, not true or false")
         else:  # upstream's format: the Instance itself, status says what ran
             inst_raw = dict(entry)
+            # Its pid and port stay on the instance: the manager's start ends that backend if it
+            # still serves (adopt_legacy), as the previous release did at boot.
             process = None
             want = inst_raw.get("status") in ("running", "starting")
+            if isinstance(inst_raw.get("id"), str):
+                self._legacy.add(inst_raw["id"])
         config = parse_config(inst_raw.get("config"), models_dir=self.models_dir, strict=False)
         inst_raw["config"] = config
         for k in ("busy", "prefill_progress", "active_slots"):
