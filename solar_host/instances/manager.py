@@ -84,6 +84,7 @@ class InstanceManager:
         self.capacity: Any = None  # estimates.capacity.CapacityGate, set by build_host
         self._facts: HostFacts | None = None
         self._list_cache: bytes | None = None
+        self._journaled: dict[str, str] = {}  # instance id -> the status last logged (_journal)
         self._boot_task: asyncio.Task[None] | None = None
         self._prune_task: asyncio.Task[Any] | None = None
         self._sweep_task: asyncio.Task[None] | None = None
@@ -342,7 +343,24 @@ class InstanceManager:
 
     def changed(self, instance_id: str, status: str | None, reason: str = "") -> None:
         self._list_cache = None
+        self._journal(instance_id, status, reason)
         self.bus.publish(InstancesChanged(instance_id, status, reason))
+
+    def _journal(self, instance_id: str, status: str | None, reason: str) -> None:
+        """One line in the host's log per step of an instance's life (created, starting,
+        running, stopping, stopped, failed, updated, deleted): what an operator reading the
+        log or the journal looks for. Status updates that change no status are not steps."""
+        last = self._journaled.get(instance_id)
+        if status == last and reason not in ("created", "updated"):
+            return
+        if status is None:
+            self._journaled.pop(instance_id, None)
+        else:
+            self._journaled[instance_id] = status
+        sup = self.supervisors.get(instance_id)
+        alias = sup.instance.config.alias if sup is not None else "-"
+        why = f" ({reason})" if reason and reason != status else ""
+        log.info("instance %s (%s): %s%s", instance_id, alias, status or "deleted", why)
 
     async def persist(self) -> None:
         """Save config.json; a failure is logged (used where the change already happened)."""
