@@ -15,8 +15,6 @@ import contextlib
 import json
 import sys
 import threading
-import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,21 +24,11 @@ import pytest
 
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
 
 ENV = {"START_DEADLINE_S": "300", "INSTANCE_READY_TIMEOUT_S": "120", "MAX_RETRIES": "1"}
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def get(h: HostProc, iid: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from tests.fixtures.host import free_port
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.pinger import Pinger
 from tests.fixtures.script_backend import script_config
+from tests.fixtures.waiting import wait_for
 
 
 def start_instance(h: HostProc, alias: str = "keep") -> tuple[str, int, int]:
@@ -51,13 +52,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
-
-
-def wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def settled_bytes(path: Path, quiet_s: float = 0.5, timeout: float = 30.0) -> bytes:

@@ -29,19 +29,9 @@ from solar_host.instances.ports import PortAllocator
 from solar_host.instances.store import ProcessRecord
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def ours(h: HostProc) -> dict[str, list[int]]:

@@ -25,19 +25,9 @@ import pytest
 from solar_host.instances.store import InstanceStore
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
+from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def create(h: HostProc, alias: str, managed_by: str | None = None, **config: Any) -> str:
