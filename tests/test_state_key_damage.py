@@ -23,6 +23,7 @@ from solar_host.settings import Settings
 from solar_host.statefiles import StateFileError, read_api_key, store_api_key
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.script_backend import script_config
+from tests.test_state_damage import refused
 
 KEY = "sh-" + "k" * 43
 REFUSAL = "cannot use state file"
@@ -33,21 +34,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _refused(h: HostProc) -> str:
-    """Start the host: it must exit 1, with one refusal line."""
-    before = len(h.log())
-    h.start(wait=False)
-    assert h.proc is not None
-    try:
-        code = h.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the host started on a damaged api_key:\n{h.log()}")
-    out = h.log()[before:]
-    lines = [ln for ln in out.splitlines() if REFUSAL in ln]
-    assert code == 1 and len(lines) == 1, out
-    return lines[0]
 
 
 def test_a_cut_short_api_key_is_refused_and_restore_state_puts_the_copy_back(
@@ -70,7 +56,7 @@ def test_a_cut_short_api_key_is_refused_and_restore_state_puts_the_copy_back(
         h.kill()
 
         key_file.write_bytes(good[:20])  # cut short: 20 bytes, no newline
-        line = _refused(h)
+        line = refused(h, key_file)
         assert str(key_file) in line and f"last good copy: {prev}" in line
         assert "restore-state" in line and "API_KEY" in line
         assert good[:20].decode() not in line  # the log never shows a key, cut short or not
