@@ -693,10 +693,11 @@ class InstanceManager:
 
     async def restart(self, instance_id: str) -> Instance:
         sup = self._sup(instance_id)
-        # The intent stays "running" through the stop (and is on disk before the signal): a
-        # host that dies mid-restart finishes the stop at boot and then starts it again.
-        await sup.stop(forget_intent=False)
-        inst = await sup.start()
+        # One operation of the supervisor (a stop issued meanwhile cancels its start, a restart
+        # issued meanwhile joins it). The intent stays "running" through the stop (and is on
+        # disk before the signal): a host that dies mid-restart finishes the stop at boot and
+        # then starts it again.
+        inst = await sup.restart()
         await self.persist()
         return inst
 

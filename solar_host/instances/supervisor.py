@@ -128,6 +128,10 @@ class Supervisor:
         self._backend: Backend | None = None
         self.deleted = False
         self._adopt_task: asyncio.Task[Any] | None = None
+        # The stop the previous host process left unfinished (adopt); never a start_task.
+        self.stop_task: asyncio.Task[Any] | None = None
+        # The start task a restart made: a restart arriving while it runs joins it.
+        self._restart_start: asyncio.Task[Any] | None = None
         # Set by detach(): an interrupted start leaves its backend to the next host process.
         self._detaching = False
 
@@ -159,20 +163,87 @@ class Supervisor:
 
     async def start(self) -> Any:
         """Start (or join the start in flight) and return the running instance."""
+        while True:
+            async with self.lock:
+                if self.deleted:
+                    raise InstanceNotFound(self.id)
+                pending = self._settling()
+                if pending is None:
+                    if self.status == S.RUNNING and self.proc is not None and self.proc.alive():
+                        return self.instance
+                    if self.start_task is None or self.start_task.done():
+                        await self._begin_start()
+                    task = self.start_task
+                    assert task is not None
+                    break
+            # Decided once it has settled, outside the lock it needs (never cancelled by us).
+            await asyncio.wait({pending})
+        return await self._join_start(task)
+
+    def _settling(self) -> asyncio.Task[Any] | None:
+        """What must end before a start can be decided (under the lock): the handling of a
+        crash that has begun (the status still says running, the process is gone; it would
+        clobber a start made meanwhile), or the stop the previous host left unfinished."""
+        stop = self.stop_task
+        if stop is not None and not stop.done() and stop is not asyncio.current_task():
+            return stop
+        watch = self.watch_task
+        if (
+            self.status == S.RUNNING
+            and self.proc is not None
+            and watch is not None
+            and not watch.done()
+            and not self.proc.alive()
+        ):
+            return watch
+        return None
+
+    async def _begin_start(
+        self, *, undo_intent: bool | None = None, restart_op: bool = False
+    ) -> None:
+        """Under the lock: make the start task. The intent is on disk before it exists, so a
+        stop issued later (it takes the lock after this) is the last word on disk, and a start
+        the next boot would forget is refused with 507 before anything runs."""
+        recorded = not self.stored.want_running
+        if recorded:
+            await self._record_intent(True)
+        if self.restart_task is not None:
+            self.restart_task.cancel()
+            self.restart_task = None
+        # Someone asked for this start: the crash loop before it is over, and a crash after it
+        # gets the whole restart budget again (as supervisord's start does).
+        self.crashes.clear()
+        undo = recorded if undo_intent is None else undo_intent
+        self.start_task = asyncio.create_task(
+            self._start(undo_intent=undo), name=f"start:{self.id}"
+        )
+        # A restart arriving while this one's start is in flight joins it (restart()).
+        self._restart_start = self.start_task if restart_op else None
+
+    async def restart(self) -> Any:
+        """Stop, then start again, as one operation: the stop and the creation of the start
+        happen under one hold of the lock, so a stop issued meanwhile comes after it and
+        cancels that start (the restart then answers 409, as a cancelled start does). A
+        restart arriving while another restart's start is in flight shares its outcome."""
         async with self.lock:
             if self.deleted:
                 raise InstanceNotFound(self.id)
-            if self.status == S.RUNNING and self.proc is not None and self.proc.alive():
-                return self.instance
-            if self.start_task is None or self.start_task.done():
-                if self.restart_task is not None:
-                    self.restart_task.cancel()
-                    self.restart_task = None
-                # Someone asked for this start: the crash loop before it is over, and a crash
-                # after it gets the whole restart budget again (as supervisord's start does).
-                self.crashes.clear()
-                self.start_task = asyncio.create_task(self._start(), name=f"start:{self.id}")
             task = self.start_task
+            if task is None or task.done() or task is not self._restart_start:
+                # Wanted from here on, on disk before any signal: a host that dies in the
+                # middle finishes the stop at boot and then starts it again (507: nothing done).
+                recorded = not self.stored.want_running
+                if recorded:
+                    await self._record_intent(True)
+                if await self._stop_locked(forget_intent=False):
+                    self._after_stop_hook()
+                    self.m.prune_logs_soon()
+                await self._begin_start(undo_intent=recorded, restart_op=True)
+                task = self.start_task
+                assert task is not None
+        return await self._join_start(task)
+
+    async def _join_start(self, task: asyncio.Task[Any]) -> Any:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -184,13 +255,23 @@ class Supervisor:
             raise
 
     async def _start(
-        self, *, restart: bool = False, attempts: int | None = None, deadline: float | None = None
+        self,
+        *,
+        restart: bool = False,
+        attempts: int | None = None,
+        deadline: float | None = None,
+        undo_intent: bool = False,
     ) -> Any:
         """A start: up to `attempts` (1 + MAX_RETRIES) attempts until `deadline` (monotonic;
-        START_DEADLINE_S from now). An adopted start that failed passes what it has left."""
+        START_DEADLINE_S from now). An adopted start that failed passes what it has left.
+        `undo_intent`: the caller recorded want_running for this start (_begin_start); a start
+        refused before anything ran takes it back."""
         try:
             await admit_start(self)  # fit check and placement: 409 before anything is spawned
         except Exception:
+            if undo_intent:
+                self.stored.want_running = False
+                await self.m.persist()
             if not restart:
                 await self._nothing_due()
             raise
@@ -202,10 +283,8 @@ class Supervisor:
             attempts = 1 + settings.max_retries
         last: AttemptFailed | None = None
         try:
-            if not self.stored.want_running:
-                # A start the next boot would forget (and whose backend it would end as a
-                # stray) is refused with 507, and nothing runs.
-                await self._record_intent(True)
+            # want_running is on disk already (_begin_start, under the lock): recording it here,
+            # after an await, would undo a stop issued meanwhile.
             for attempt in range(attempts):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -603,6 +682,14 @@ class Supervisor:
 
     async def _watch_exit(self, proc: procs.BackendProcess) -> None:
         await procs.wait_exit(proc)
+        # Under the lock: a start, restart or stop decided meanwhile comes before or after
+        # this crash handling as a whole, never in the middle of it (a start made in between
+        # would have its new backend forgotten here). A start that finds the process gone
+        # waits for this (start: _settling); a stop cancels it.
+        async with self.lock:
+            await self._crashed(proc)
+
+    async def _crashed(self, proc: procs.BackendProcess) -> None:
         if self.proc is not proc or self.status != S.RUNNING:
             return  # an intentional stop owns this exit
         code = proc.exit_code()
@@ -746,60 +833,70 @@ class Supervisor:
         async with self.lock:
             if self.deleted:  # a delete held the lock while this stop waited for it
                 raise InstanceNotFound(self.id)
-            if forget_intent and self.stored.want_running:
-                # A stop the next boot would undo (it starts what config.json says is wanted)
-                # is refused with 507, and the backend keeps serving.
-                await self._record_intent(False)
-            # A crash restart in its backoff, or the next attempt of a start that is pausing:
-            # StoredInstance.restart_due, set for both.
-            restart_pending = self.stored.restart_due
-            self._cancel(self.restart_task)
-            self.restart_task = None
-            task = self.start_task
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            self._cancel(self._adopt_task)
-            if forget_intent:
-                self.stored.restart_due = False  # the operator's stop ends what was due
-            if self.status == S.STOPPED:
-                await self.m.persist()  # the intent, if it changed (same bytes: no write)
-                return self.instance
-            if self.status == S.FAILED and not forget_intent and not restart_pending:
-                # A host shutdown keeps a failure as it is: the next boot starts what was
-                # running or about to be restarted, never what the host or control gave up on
-                # (a crash loop, an intent-managed crash, a start that failed).
-                return self.instance
-            if self.status == S.FAILED:
-                self.set_status(
-                    S.STOPPED,
-                    reason="stopped",
-                    pid=None,
-                    port=None,
-                    started_at=None,
-                    error_message=None,
-                )
-                # Stopped (and, at a host shutdown, still wanted): boot starts it as such.
-                self.stored.restart_due = False
-                self._after_stop_hook()
-                await self.m.persist()
-                return self.instance
-            proc = self.proc
-            self.set_status(S.STOPPING, reason="stopping")
-            # What is wanted is on disk before any signal: a host that dies mid-stop finishes
-            # the stop at boot (and starts it again only when it is still wanted).
-            await self.m.persist()
-            self._cancel(self.metrics_task)
-            self._cancel(self.watch_task)
-            if proc is not None:
-                code = await procs.terminate(proc, self.m.settings.stop_grace_s)
-                self.last_exit_code = code
-            await self._stop_follower()
-            await self._record_stopped()
-        self._after_stop_hook()
-        self.m.prune_logs_soon()
+            stopped = await self._stop_locked(forget_intent=forget_intent)
+        if stopped:
+            self._after_stop_hook()
+            self.m.prune_logs_soon()
         return self.instance
+
+    async def _stop_locked(self, *, forget_intent: bool) -> bool:
+        """The stop, under the lock (stop, restart). True when a backend was stopped: the
+        caller then runs the after-stop hook and prunes the logs."""
+        if forget_intent and self.stored.want_running:
+            # A stop the next boot would undo (it starts what config.json says is wanted)
+            # is refused with 507, and the backend keeps serving.
+            await self._record_intent(False)
+        # A crash restart in its backoff, or the next attempt of a start that is pausing:
+        # StoredInstance.restart_due, set for both.
+        restart_pending = self.stored.restart_due
+        self._cancel(self.restart_task)
+        self.restart_task = None
+        task = self.start_task
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self._cancel(self._adopt_task)
+        # The stop the previous host left, not begun yet (this holds the lock it needs):
+        # this stop does it.
+        self._cancel(self.stop_task)
+        if forget_intent:
+            self.stored.restart_due = False  # the operator's stop ends what was due
+        if self.status == S.STOPPED:
+            await self.m.persist()  # the intent, if it changed (same bytes: no write)
+            return False
+        if self.status == S.FAILED and not forget_intent and not restart_pending:
+            # A host shutdown keeps a failure as it is: the next boot starts what was
+            # running or about to be restarted, never what the host or control gave up on
+            # (a crash loop, an intent-managed crash, a start that failed).
+            return False
+        if self.status == S.FAILED:
+            self.set_status(
+                S.STOPPED,
+                reason="stopped",
+                pid=None,
+                port=None,
+                started_at=None,
+                error_message=None,
+            )
+            # Stopped (and, at a host shutdown, still wanted): boot starts it as such.
+            self.stored.restart_due = False
+            self._after_stop_hook()
+            await self.m.persist()
+            return False
+        proc = self.proc
+        self.set_status(S.STOPPING, reason="stopping")
+        # What is wanted is on disk before any signal: a host that dies mid-stop finishes
+        # the stop at boot (and starts it again only when it is still wanted).
+        await self.m.persist()
+        self._cancel(self.metrics_task)
+        self._cancel(self.watch_task)
+        if proc is not None:
+            code = await procs.terminate(proc, self.m.settings.stop_grace_s)
+            self.last_exit_code = code
+        await self._stop_follower()
+        await self._record_stopped()
+        return True
 
     async def detach(self) -> None:
         """Host shutdown with KEEP_BACKENDS_ON_SHUTDOWN: leave the backend serving (one still
@@ -807,6 +904,7 @@ class Supervisor:
         self._detaching = True
         self._cancel(self.restart_task)
         self._cancel(self._adopt_task)
+        self._cancel(self.stop_task)  # the next host process finishes it, as this one would
         if self.start_task is not None and not self.start_task.done():
             self.start_task.cancel()
             with contextlib.suppress(BaseException):
@@ -1001,7 +1099,8 @@ class Supervisor:
             inst.status = S.STOPPING
             inst.pid, inst.port = proc.pid, rec.port
             self.m.changed(self.id, S.STOPPING.value, "finishing stop")
-            self.start_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
+            # Its own task, not a start: a start asked for meanwhile waits for it, then starts.
+            self.stop_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
             return "stopping"
         listening_ours = await asyncio.to_thread(
             ownership.owns_port, proc.identity, rec.port, proc.marker, listening
@@ -1149,20 +1248,37 @@ class Supervisor:
         self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
         await self.m.persist()
 
-    async def _finish_stop(self) -> Any:
+    async def _finish_stop(self) -> None:
         """A stop the previous host process did not finish: finish it, then start again only
-        when the instance is still wanted (a restart whose stop was under way)."""
-        proc = self.proc
-        if proc is not None:
-            await procs.terminate(proc, self.m.settings.stop_grace_s)
-        await self._record_stopped()
-        self._after_stop_hook()
-        log.info("finished the stop of %s that was under way when the host stopped", self.id)
-        if self.stored.want_running and not self.deleted:
-            self.start_task = None
-            with contextlib.suppress(StartFailed, InstanceConflict, InstanceNotFound):
-                await self.start()
-        return self.instance
+        when the instance is still wanted (a restart whose stop was under way). Under the
+        lock: a start, stop or restart asked for meanwhile comes after it (a start joins the
+        start made here); a stop or restart that got the lock first did it (and cancels this)."""
+        async with self.lock:
+            if self.status != S.STOPPING or self.deleted:
+                return
+            proc = self.proc
+            if proc is not None:
+                await procs.terminate(proc, self.m.settings.stop_grace_s)
+            await self._record_stopped()
+            self._after_stop_hook()
+            log.info("finished the stop of %s that was under way when the host stopped", self.id)
+            if not self.stored.want_running:
+                return
+            # Not awaited here: a start asked for meanwhile waits for this task, then joins
+            # that start (one deadline, one outcome), as concurrent starts share one launch.
+            await self._begin_start()  # wanted, so on disk already: nothing to write
+            assert self.start_task is not None
+            self.start_task.add_done_callback(self._start_ended_unheard)
+
+    def _start_ended_unheard(self, task: asyncio.Task[Any]) -> None:
+        """A start no caller awaits (after a stop finished at boot): its failure is logged."""
+        if task.cancelled():
+            return
+        err = task.exception()
+        if isinstance(err, StartFailed | InstanceConflict | InstanceNotFound):
+            log.warning("start of %s after its unfinished stop failed: %s", self.id, err)
+        elif err is not None:
+            log.error("start of %s after its unfinished stop failed", self.id, exc_info=err)
 
     async def kill_recorded(self) -> None:
         """Delete path: make sure no backend of this instance survives, workers included."""
