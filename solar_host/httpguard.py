@@ -2,7 +2,23 @@
 the HF server alike: a connection whose request headers do not arrive within a time limit, or
 whose headers pass a size limit, is closed. uvicorn never times out a connection that has not
 finished its headers (anyone who can connect held a descriptor for ever), and httptools keeps
-headers of any size in memory (400 headers of 1 MiB took 400 MiB)."""
+headers of any size in memory (400 headers of 1 MiB took 400 MiB).
+
+Three more bounds, each on a connection that held memory or a descriptor for as long as its
+client liked (review repros, no key needed):
+
+- Pipelining: httptools queues every request of a read (uvloop reads up to 256 KiB) before
+  uvicorn pauses reading. 256 KiB of `GET /x` is 13,800 queued requests, about 31 MB, held while
+  the client does not read the answers; 50 such connections took a host from 63 MB to 1.6 GB. A
+  connection with more than MAX_PIPELINED requests waiting is dropped and the rest of what it
+  sent is parsed without being kept.
+- Answers nobody reads: a connection whose transport stays paused for writing (the client reads
+  nothing) for WRITE_STALL_S is dropped.
+- After an answer: the next request's headers must come within the header timeout of its end,
+  whatever bytes come meanwhile. uvicorn's keep-alive timer is cancelled by any byte: the rest
+  of a body the app answered without reading (a 401 to a POST), sent one byte at a time or not
+  at all, held the connection for ever (10,000 such took 8,490 descriptors). A connection
+  closed and still not gone (its answer unsent) one header timeout later is aborted."""
 
 from __future__ import annotations
 
@@ -11,9 +27,20 @@ from typing import Any
 
 # Far above what any client sends (nginx's default buffers hold 32 KiB).
 MAX_HEADER_BYTES = 64 * 1024
+# Requests waiting behind the one being answered. Browsers and HTTP clients do not pipeline;
+# one that sends more than this at once is not a client the host serves.
+MAX_PIPELINED = 16
+# How long an answer may wait for a client that reads nothing before its connection is dropped.
+WRITE_STALL_S = 30.0
 
 
-def guarded_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES) -> Any:
+def guarded_protocol(
+    timeout_s: float,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    *,
+    max_pipelined: int = MAX_PIPELINED,
+    write_stall_s: float = WRITE_STALL_S,
+) -> Any:
     """The protocol class for uvicorn.Config(http=...); "auto", without the bounds, where
     httptools is missing."""
     try:
@@ -23,10 +50,17 @@ def guarded_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES)
 
     class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         _header_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None
         _header_bytes = 0
+        # Dropped: nothing more it sends is kept (the parser still runs over the rest of the
+        # read it is in, with every callback a no-op).
+        _dropped = False
 
         def _arm(self) -> None:
             self._header_bytes = 0
+            self._arm_deadline()
+
+        def _arm_deadline(self) -> None:
             if self._header_timer is None:
                 self._header_timer = self.loop.call_later(timeout_s, self._headers_late)
 
@@ -37,8 +71,19 @@ def guarded_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES)
 
         def _headers_late(self) -> None:
             self._header_timer = None
-            if not self.transport.is_closing():
+            if self.transport.is_closing():
+                # Closed a timeout ago and still not gone: its answer cannot be sent.
+                self.transport.abort()
+            else:
                 self.transport.close()
+                self._arm_deadline()  # the close must complete within one more timeout
+
+        def _drop(self) -> None:
+            """Close at once, unsent answers and queued requests with it."""
+            self._dropped = True
+            self.pipeline.clear()
+            self._disarm()
+            self.transport.abort()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -46,19 +91,64 @@ def guarded_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+            self.pipeline.clear()
             super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            if not self._dropped:
+                super().data_received(data)
+
         def on_message_begin(self) -> None:
+            if self._dropped:
+                return
             self._arm()
             super().on_message_begin()
 
         def on_url(self, url: bytes) -> None:
+            if self._dropped:
+                return
             self._count(len(url))
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
+            if self._dropped:
+                return
             self._count(len(name) + len(value))
             super().on_header(name, value)
+
+        def on_body(self, body: bytes) -> None:
+            if not self._dropped:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._dropped:
+                super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            idle = not self.pipeline
+            super().on_response_complete()
+            if idle:
+                # Nothing else was asked: the next request's headers are due within the header
+                # timeout, whatever else comes (uvicorn's keep-alive timer stops at any byte).
+                self._arm_deadline()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(write_stall_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+            super().resume_writing()
+
+        def _stalled(self) -> None:
+            self._stall_timer = None
+            self._drop()
 
         def _count(self, n: int) -> None:
             self._header_bytes += n
@@ -66,6 +156,11 @@ def guarded_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES)
                 self.transport.close()
 
         def on_headers_complete(self) -> None:
+            if self._dropped:
+                return
+            if len(self.pipeline) >= max_pipelined:
+                self._drop()
+                return
             self._disarm()
             super().on_headers_complete()
 

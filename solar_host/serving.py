@@ -9,6 +9,13 @@ builds the router in a worker thread. A request for any other route that arrives
 router is ready waits for it (at most API_WAIT_S) instead of being refused; if the router could
 not be built, it gets a 503 that says so.
 
+A build that fails for want of descriptors or memory (EMFILE while a flood of connections held
+every descriptor at start-up) is tried again, backing off, for up to API_BUILD_DEADLINE_S; it was
+tried once and its error kept, and the REST API answered 503 for good while /health said healthy
+and the watchdog was fed. While a build has failed, /health is a 503 with the reason and other
+routes a 503 at once. A build that fails otherwise, or still fails at the deadline, stops the
+host (serve(): backends handed over, exit 1) so that the service manager starts it again.
+
 The cyclic garbage collector is off until the router is built: start-up creates a few hundred
 thousand long-lived objects (modules, classes, schemas) that every generation-2 pass would rescan,
 about 15-20% of start-up. One collection then runs and what survives it is frozen out of later
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -26,6 +34,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +58,28 @@ SHUTDOWN_GRACE_S = 2.0
 # well under a second; the bound only matters on a machine that is thrashing).
 API_WAIT_S = 60.0
 GC_SETTLE_DELAY_S = 0.5
+# A router build failing for a cause that passes (TRANSIENT_ERRNOS, MemoryError) is tried again
+# after API_BUILD_RETRY_S, doubling up to API_BUILD_RETRY_MAX_S, until API_BUILD_DEADLINE_S.
+API_BUILD_DEADLINE_S = 60.0
+API_BUILD_RETRY_S = 0.1
+API_BUILD_RETRY_MAX_S = 5.0
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN}
+)
+
+
+def transient(err: BaseException) -> bool:
+    """Whether `err` (or what caused it: an import can wrap the OSError) may pass by itself."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, MemoryError):
+            return True
+        if isinstance(cur, OSError) and cur.errno in TRANSIENT_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class StagedApp:
@@ -73,7 +104,10 @@ class StagedApp:
         self.startup_refused = False
         self._hand_over_installed = False
         self.api: ASGIApp | None = None
+        # Why the last build failed (kept while the build is tried again); None once built.
         self.api_error: str | None = None
+        # Called with the reason when the router could not be built for good (serve(): stop).
+        self.on_api_failed: Callable[[str], None] | None = None
         self._build_api = build_api
         self.on_api_settled = on_api_settled
         self._api_settled: asyncio.Event | None = None
@@ -82,6 +116,9 @@ class StagedApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+        elif self.api is None and self.api_error is not None and scope.get("path") == "/health":
+            # Not healthy: the hot path would say so, from the core alone.
+            await _unavailable(scope, send, self.api_error)
         else:
             await self._edge(scope, receive, send)
 
@@ -95,18 +132,41 @@ class StagedApp:
         self._api_settled = asyncio.Event()
 
         def build() -> None:
-            try:
-                api = self._build_api()
-            except BaseException as err:
-                log.exception("the REST API could not be built")
-                result: tuple[ASGIApp | None, str | None] = (None, f"{type(err).__name__}: {err}")
-            else:
-                result = (api, None)
+            deadline = time.monotonic() + API_BUILD_DEADLINE_S
+            delay = API_BUILD_RETRY_S
+            while True:
+                try:
+                    api = self._build_api()
+                except BaseException as err:
+                    why = f"{type(err).__name__}: {err}"
+                    if transient(err) and time.monotonic() + delay < deadline:
+                        log.warning(
+                            "the REST API could not be built (%s); again in %gs", why, delay
+                        )
+                        try:
+                            loop.call_soon_threadsafe(self._note_failure, why)
+                        except RuntimeError:
+                            return  # the host stopped: nothing waits
+                        time.sleep(delay)
+                        delay = min(delay * 2, API_BUILD_RETRY_MAX_S)
+                        continue
+                    if not transient(err):
+                        log.exception("the REST API could not be built")
+                    elif self.on_api_failed is None:  # else it says so, in one line
+                        log.error("the REST API could not be built (%s)", why)
+                    result: tuple[ASGIApp | None, str | None] = (None, why)
+                else:
+                    result = (api, None)
+                break
             # The loop is closed when the host stopped before the build ended: nothing waits.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._settle, *result)
 
         threading.Thread(target=build, name="solar-host-api-build", daemon=True).start()
+
+    def _note_failure(self, why: str) -> None:
+        if self.api is None:
+            self.api_error = why
 
     def _settle(self, api: ASGIApp | None, error: str | None) -> None:
         self.api, self.api_error = api, error
@@ -114,9 +174,15 @@ class StagedApp:
         self._api_settled.set()
         if self.on_api_settled is not None:
             self.on_api_settled()
+        if api is None and self.on_api_failed is not None:
+            self.on_api_failed(error or "not built")
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         api = self.api
+        if api is None and self.api_error is not None:
+            # A build failed (it may be tried again): waiting would hold the connection.
+            await _unavailable(scope, send, self.api_error)
+            return
         if api is None:
             self.start_building()  # served without a lifespan (lifespan="off")
             assert self._api_settled is not None
@@ -263,6 +329,20 @@ def serve(settings: Settings, **overrides: Any) -> int:
         logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
         app.ready_on_lifespan = False
         app.request_exit = lambda: setattr(server, "should_exit", True)
+        api_failed: list[str] = []
+
+        def stop_without_api(why: str) -> None:
+            api_failed.append(why)
+            log.error(
+                "solar-host: the REST API could not be built (%s): stopping, backends left "
+                "serving for the next host",
+                why,
+            )
+            app.host.hand_over_backends()
+            app.notifier.send("STOPPING=1", "STATUS=the REST API could not be built")
+            server.should_exit = True
+
+        app.on_api_failed = stop_without_api
         try:
             # Listening before the lifespan runs: uvicorn binds after it, and a port it then
             # cannot bind ran the lifespan's shutdown, which stopped every backend the start
@@ -283,7 +363,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
             if exit_.code != 3:
                 raise
             return 1
-        return 0 if server.started else 1
+        return 0 if server.started and not api_failed else 1
     finally:
         if app is not None:
             app.host.release()
