@@ -74,7 +74,12 @@ def confine(value: str, roots: Sequence[Path], field: str, given: str | None = N
         # realpath folds `x/..` away whatever x is, the kernel walks through x: through a
         # file or a missing directory the two differ, and every later open of the value
         # (an estimate, a preflight, the backend) answered whether x exists.
-        raise OutsideRoots(field, f"{field} must not contain '..' components")
+        raise OutsideRoots(
+            field,
+            f"{field} '{value if given is None else given}' goes through '..', which may lead "
+            f"outside of MODELS_DIR and MODEL_ROOTS (allowed roots: {describe_roots(roots)}); "
+            "name the path without it",
+        )
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
     try:
