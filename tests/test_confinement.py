@@ -420,6 +420,7 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
     (checkout / "pkg").mkdir(parents=True)
     (checkout / "pkg" / "__init__.py").write_text("VALUE = 'code'\n")
     (checkout / "tool.py").write_text("X = 1\n")
+    (checkout / "config_helpers.py").write_text("Y = 2\n")  # named like the state, but code
     secrets = {
         ".env": "API_KEY=the-host-key\n",
         "config.json": '{"instances": []}\n',
@@ -439,8 +440,8 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
         checkout / "config.json", checkout / "logs", checkout / "jobs", checkout / ".env"
     )
     probe = (
-        "import pathlib, pkg, tool\n"
-        "print('import', pkg.VALUE, tool.X)\n"
+        "import pathlib, pkg, tool, config_helpers\n"
+        "print('import', pkg.VALUE, tool.X, config_helpers.Y)\n"
         f"for name in {sorted(secrets)!r}:\n"
         f"    p = pathlib.Path({str(checkout)!r}) / name\n"
         "    try:\n"
@@ -463,6 +464,6 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
     proc = procs.spawn(argv, env, log, tmp_path, policy, "required")
     assert await procs.wait_exit(proc, timeout=30)
     out = log.read_text()
-    assert "import code 1" in out, out
+    assert "import code 1 2" in out, out
     assert "READ" not in out, out
     assert out.count("denied") == len(secrets), out

@@ -254,17 +254,19 @@ class HostState:
         if self.env_file is not None:
             whole.append(os.path.realpath(self.env_file))
         names = [os.path.basename(config), *STATE_FILE_PREFIXES]
-        # ... and the temporary files their writes rename into place (.config.json.*.tmp).
-        return folder, whole, [*names, *("." + n for n in names)]
+        return folder, whole, names
 
     def holds(self, real: str) -> bool:
         """Whether the real path `real` is (or lies in) the host's state."""
-        folder, whole, prefixes = self._real
+        folder, whole, names = self._real
         if any(inside(real, w) for w in whole):
             return True
-        return os.path.dirname(real) == folder and os.path.basename(real).startswith(
-            tuple(prefixes)
-        )
+        if os.path.dirname(real) != folder:
+            return False
+        base = os.path.basename(real)
+        # The file, its companions (config.json.prev, .host-id, .damaged-<time>) and the
+        # temporary files its writes rename into place (.config.json.<random>.tmp).
+        return any(base == n or base.startswith((n + ".", "." + n + ".")) for n in names)
 
     def beneath(self, real: str) -> bool:
         """Whether some of the host's state lies beneath the real directory `real`."""
