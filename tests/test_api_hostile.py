@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.fixtures.hostproc import HostProc
+from tests.fixtures.waiting import closed_within
 
 # The host's HTTP_HEADER_TIMEOUT_S here, and how long the test waits for it to close a
 # connection that never finishes its request headers.
@@ -56,19 +57,6 @@ def config(**extra: Any) -> dict[str, Any]:
 # --- 1. connections that never finish their headers ---------------------------------------------
 
 
-def _closed_within(sock: socket.socket, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        sock.settimeout(max(0.1, min(1.0, deadline - time.monotonic())))
-        try:
-            if sock.recv(4096) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except OSError:
-            return True
-    return False
-
-
 def test_connections_that_never_send_headers_are_closed(host: HostProc) -> None:
     """Anyone who can connect (no key needed) held a descriptor for ever by sending nothing,
     or half a request line: enough of them and the host can accept nothing more."""
@@ -77,8 +65,8 @@ def test_connections_that_never_send_headers_are_closed(host: HostProc) -> None:
     try:
         half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         deadline = time.monotonic() + HEADER_BOUND_S
-        assert _closed_within(silent, deadline), "a silent connection was kept open"
-        assert _closed_within(half, deadline), "a half-sent request was kept open"
+        assert closed_within(silent, deadline), "a silent connection was kept open"
+        assert closed_within(half, deadline), "a half-sent request was kept open"
         with fresh(host) as c:
             assert c.get("/health").status_code == 200
     finally:

@@ -28,6 +28,7 @@ import uvicorn
 from solar_host.httpguard import guarded_protocol
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.ports import free_port
+from tests.fixtures.waiting import closed_within
 
 HEADER_TIMEOUT_S = 2
 BOUND_S = 30.0
@@ -59,20 +60,6 @@ def fds_back_to(pid: int, limit: int, deadline: float) -> int:
         time.sleep(0.2)
         n = fds(pid)
     return n
-
-
-def closed_within(sock: socket.socket, deadline: float) -> bool:
-    """Whether the peer closed `sock` (EOF or reset) before the deadline; reads what comes."""
-    while time.monotonic() < deadline:
-        sock.settimeout(max(0.1, min(1.0, deadline - time.monotonic())))
-        try:
-            if sock.recv(65536) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except OSError:
-            return True
-    return False
 
 
 def health_ok(host: HostProc) -> bool:

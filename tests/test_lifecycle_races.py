@@ -27,24 +27,13 @@ from solar_host.instances import supervisor as supervisor_mod
 from solar_host.instances.errors import InstanceConflict
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend, script_config
+from tests.test_concurrency import tagged
 
 BOUND = 30.0  # seconds: the bound on every wait of these tests
 
 
 def registry() -> BackendRegistry:
     return BackendRegistry([ScriptBackend()])
-
-
-def tagged(tag: str) -> list[psutil.Process]:
-    """Live backends (and their workers) of this test: the tag is on their command line."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if tag in (p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture
