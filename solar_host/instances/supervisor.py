@@ -170,7 +170,7 @@ class Supervisor:
                 pending = self._settling()
                 if pending is None:
                     if self.status == S.RUNNING and self.proc is not None and self.proc.alive():
-                        return self.instance
+                        return self.reached()
                     if self.start_task is None or self.start_task.done():
                         await self._begin_start()
                     task = self.start_task
@@ -179,6 +179,12 @@ class Supervisor:
             # Decided once it has settled, outside the lock it needs (never cancelled by us).
             await asyncio.wait({pending})
         return await self._join_start(task)
+
+    def reached(self) -> Any:
+        """The instance as an operation left it, for its answer: the record itself keeps
+        changing (a backend that dies while the manager saves the state is failed before the
+        answer is written, and "started successfully" must not come with status failed)."""
+        return self.instance.model_copy(deep=True)
 
     def _settling(self) -> asyncio.Task[Any] | None:
         """What must end before a start can be decided (under the lock): the handling of a
@@ -330,7 +336,7 @@ class Supervisor:
                     self.m.persist_soon()
                 self.counters["starts"] += 1
                 self.m.bus.publish(InstanceStartFinished(self.id, True, restart))
-                return self.instance
+                return self.reached()
             reason = (
                 last.reason
                 if last
