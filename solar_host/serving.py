@@ -327,6 +327,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
         )
         server = _notifying_server(config, on_started=app.notify_ready)
         logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
+        logging.getLogger("uvicorn.error").addFilter(_CutRequests(server))
         app.ready_on_lifespan = False
         app.request_exit = lambda: setattr(server, "should_exit", True)
         api_failed: list[str] = []
@@ -383,6 +384,19 @@ class _OneLineRefusal(logging.Filter):
         )
 
 
+class _CutRequests(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" traceback for the requests the
+    shutdown cut after its grace (cancelled on purpose, said in one warning line)."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (self.server.cut_requests and isinstance(exc, asyncio.CancelledError))
+
+
 def listen(host: str, port: int, backlog: int) -> socket.socket:
     """The API's listening socket, bound as uvicorn binds one (IPv6 for an address with ':')
     and listening, so a port another process holds fails here, whoever bound it first."""
@@ -403,6 +417,8 @@ def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
+        cut_requests = False
+
         async def _wait_tasks_to_complete(self) -> None:
             """uvicorn waits for every request in flight before the lifespan's shutdown, with
             no bound: a start waiting for a model to load (up to START_DEADLINE_S) or a pull
@@ -428,6 +444,7 @@ def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
                 transport = getattr(conn, "transport", None)
                 if transport is not None:
                     transport.close()
+            self.cut_requests = True  # their CancelledError is no error (_CutRequests)
             for task in list(state.tasks):
                 task.cancel()
             with contextlib.suppress(TimeoutError):
