@@ -2,7 +2,8 @@
 the HF server alike: a connection whose request headers do not arrive within a time limit, or
 whose headers pass a size limit, is closed. uvicorn never times out a connection that has not
 finished its headers (anyone who can connect held a descriptor for ever), and httptools keeps
-headers of any size in memory (400 headers of 1 MiB took 400 MiB).
+headers of any size in memory (400 headers of 1 MiB took 400 MiB). Past the size limit the
+request is answered 431 and never run, nor anything sent after it.
 
 Three more bounds, each on a connection that held memory or a descriptor for as long as its
 client liked (review repros, no key needed):
@@ -23,6 +24,7 @@ client liked (review repros, no key needed):
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 # Far above what any client sends (nginx's default buffers hold 32 KiB).
@@ -47,6 +49,7 @@ def guarded_protocol(
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "auto"
+    too_large = _headers_too_large(max_header_bytes)
 
     class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         _header_timer: asyncio.TimerHandle | None = None
@@ -152,8 +155,21 @@ def guarded_protocol(
 
         def _count(self, n: int) -> None:
             self._header_bytes += n
-            if self._header_bytes > max_header_bytes and not self.transport.is_closing():
-                self.transport.close()
+            if self._header_bytes > max_header_bytes:
+                self._refuse_headers()
+
+        def _refuse_headers(self) -> None:
+            """431 and close. Nothing more it sends is kept or run: closing alone left the
+            rest of the read to the parser, which ran the refused request all the same."""
+            self._dropped = True
+            self.pipeline.clear()
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                # An earlier request's answer is being written: a 431 would land inside it.
+                self._drop()
+                return
+            self.transport.write(too_large)
+            self.transport.close()  # the header deadline aborts it if it does not complete
 
         def on_headers_complete(self) -> None:
             if self._dropped:
@@ -169,3 +185,13 @@ def guarded_protocol(
             super().handle_websocket_upgrade()
 
     return GuardedProtocol
+
+
+def _headers_too_large(limit: int) -> bytes:
+    """The whole 431 answer, written straight to the transport (no request runs)."""
+    body = json.dumps({"detail": f"request headers are larger than {limit} bytes"}).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body

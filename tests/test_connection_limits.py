@@ -185,10 +185,10 @@ async def _endless(scope: Any, receive: Any, send: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def guarded_server(write_stall_s: float) -> Any:
+async def guarded_server(write_stall_s: float = 30.0, app: Any = _endless) -> Any:
     port = free_port()
     config = uvicorn.Config(
-        _endless,
+        app,
         host="127.0.0.1",
         port=port,
         log_config=None,
@@ -247,6 +247,38 @@ async def test_a_slow_reader_is_not_dropped() -> None:
         assert server.server_state.connections, "a client reading its answer was dropped"
         assert got > 0
         writer.close()
+
+
+# --- 1c. headers past the size limit ----------------------------------------------------------
+
+
+async def test_a_request_past_the_header_limit_is_refused_and_never_run() -> None:
+    """The limit closed the connection but the rest of the read was still parsed: a request
+    whose oversized headers arrived in one read was run all the same (its answer lost), so a
+    refused POST could still act. Now it is answered 431, and nothing after it is kept."""
+    ran: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        ran.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ran"})
+
+    async with guarded_server(app=app) as (_server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        junk = b"".join(b"X-Junk-%d: %s\r\n" % (i, b"a" * 8000) for i in range(9))  # 72 KiB
+        writer.write(b"POST /act HTTP/1.1\r\nHost: x\r\n" + junk + b"Content-Length: 0\r\n\r\n")
+        writer.write(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")  # pipelined behind it
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), BOUND_S)  # up to the close
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert ran == [], ran
+        # The next connection is served as usual.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert b"\r\nran\r\n" in await asyncio.wait_for(reader.read(), BOUND_S)
+        writer.close()
+        assert ran == ["/ok"]
 
 
 # --- 3. the REST API that could not be built at start-up ---------------------------------------
