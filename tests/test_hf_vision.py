@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import gzip
 import io
 import struct
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -364,3 +366,115 @@ def test_vision_parsing_counts_images_and_decodes_data_uris() -> None:
     with pytest.raises(APIError) as ei:
         decode_data_uri(data_uri(b"x" * 5000), max_bytes=4096)
     assert ei.value.status == 413
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The highest resident memory the process has had (VmHWM), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_thin_images_are_refused_before_the_processor_scales_them_up(vlm) -> None:
+    """The processor scales an image's shortest edge to its target and the long edge with it:
+    a 10x4,000,000 PNG (300 KB, within the pixel limit) took 19 s and 5.7 GB in the tiny
+    model's processor. Past 200:1 an image is refused from its header, with a 400 naming the
+    field; at 200:1 it is served."""
+    s = vlm["vlm"]
+    err = assert_error(post(s, "/v1/chat/completions", chat(data_uri(png(4, 4000)))), 400, "200")
+    assert err["code"] == "image_aspect_ratio" and err["param"] == "messages"
+    assert "4x4000" in err["message"]
+    r = post(s, "/v1/chat/completions", chat(data_uri(png(2000, 10)), max_tokens=2))
+    assert r.status_code == 200, r.text
+
+    big = vlm["fetching"]  # the default 10 MB image limit lets the 300 KB PNG in
+    thin = data_uri(png(10, 4_000_000))
+    started = time.monotonic()
+    err = assert_error(post(big, "/v1/chat/completions", chat(thin), timeout=120), 400, "200")
+    took = time.monotonic() - started
+    assert err["code"] == "image_aspect_ratio" and err["param"] == "messages"
+    assert took < 5, took
+    assert peak_rss_mb(big.proc.pid) < 2000
+
+
+def test_memory_error_while_preparing_images_is_a_413(tiny_vision_model, monkeypatch) -> None:  # noqa: F811
+    """Running out of memory on a request's images is the request's doing: a 413 naming the
+    field, not a 500."""
+    from transformers import AutoProcessor
+
+    from solar_host.servers import hf_runtime
+
+    engine = hf_runtime.VisionEngine.__new__(hf_runtime.VisionEngine)  # no model needed
+    engine.processor = AutoProcessor.from_pretrained(tiny_vision_model)
+    engine.device = "cpu"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image"}]}]
+    assert "pixel_values" in engine.vision_inputs(msgs, [png()])
+
+    def out_of_memory(*args: Any, **kw: Any) -> Any:
+        raise MemoryError
+
+    # Decoding the image.
+    monkeypatch.setattr(hf_runtime, "to_rgb", out_of_memory)
+    with pytest.raises(APIError) as ei:
+        engine.vision_inputs(msgs, [png()])
+    assert ei.value.status == 413 and ei.value.param == "messages"
+    assert "too large" in ei.value.message
+    monkeypatch.undo()
+
+    # The processor's resize (a 2x20,000,000 PNG was a 500 MemoryError there).
+    class Processor:  # the real template, then no memory for the pixels
+        apply_chat_template = staticmethod(engine.processor.apply_chat_template)
+        __call__ = staticmethod(out_of_memory)
+
+    engine.processor = Processor()
+    with pytest.raises(APIError) as ei:
+        engine.vision_inputs(msgs, [png()])
+    assert ei.value.status == 413 and ei.value.code == "image_too_large"
+    assert ei.value.param == "messages" and "too large" in ei.value.message
+
+
+def double_gzip_of_zeros(n: int) -> bytes:
+    """`n` zero bytes gzipped twice: a body of a few KB that inflates to `n` bytes."""
+    inner = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = b"\0" * (1 << 20)
+    once = b"".join(inner.compress(block) for _ in range(n >> 20)) + inner.flush()
+    return gzip.compress(once, 9)
+
+
+async def test_an_encoded_image_body_is_refused_not_inflated() -> None:
+    """httpx decodes any Content-Encoding, stacked ones too, before the size limit sees a
+    chunk: 1.8 KB of 'gzip, gzip' became 1 GiB in memory. The loader asks for identity, and a
+    body sent encoded anyway is refused (400 naming the field), its bytes never inflated."""
+    import tracemalloc
+
+    from aiohttp import web
+
+    bomb = double_gzip_of_zeros(64 << 20)
+    image = png()
+    asked: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        asked.append(request.headers.get("Accept-Encoding", ""))
+        if request.path == "/plain.png":
+            return web.Response(
+                body=image, headers={"Content-Type": "image/png", "Content-Encoding": "identity"}
+            )
+        return web.Response(
+            body=bomb, headers={"Content-Type": "image/png", "Content-Encoding": "gzip, gzip"}
+        )
+
+    async with image_server(handler) as port:
+        loader = loopback_loader()
+        assert await loader.load([f"http://images.test:{port}/plain.png"]) == [image]
+        tracemalloc.start()
+        try:
+            with pytest.raises(APIError) as ei:
+                await loader.load([f"http://images.test:{port}/bomb.png"])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert ei.value.status == 400 and ei.value.param == "messages"
+    assert ei.value.code == "image_url_encoded" and "gzip, gzip" in ei.value.message
+    assert peak < 16 << 20, peak  # nothing near the 64 MB it would inflate to
+    assert asked == ["identity", "identity"]

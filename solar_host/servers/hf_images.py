@@ -9,7 +9,10 @@ lookup of the name (which a rebinding DNS server could answer differently). Redi
 followed by hand, each target checked the same way. Bodies are read up to the size limit and
 no further, and a request's fetches (run side by side) end within one deadline however slowly a
 server answers: httpx's own timeout bounds each read, not the body, so a server that sends a
-byte every few seconds would otherwise hold the request for as long as it liked.
+byte every few seconds would otherwise hold the request for as long as it liked. Bodies are
+asked for and taken as sent (no Content-Encoding): a few KB of stacked gzip inflate to GBs.
+
+`to_rgb` turns a decoded image into what a vision processor expects: upright, 8-bit RGB.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ import ipaddress
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin, urlsplit
 
 from solar_host.servers.hf_protocol import APIError, bad, decode_data_uri, image_too_large
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 MAX_REDIRECTS = 3
 # A request's image fetches, all of them (lookups, redirects, bodies), end within this.
@@ -151,9 +157,10 @@ class ImageLoader:
                     ext["sni_hostname"] = parts.hostname
                 host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{port}"
                 try:
-                    async with client.stream(
-                        "GET", target, headers={"Host": host_header}, extensions=ext
-                    ) as r:
+                    # identity: an image is compressed already, and a body is taken as sent
+                    # (see `_refuse_encoded`).
+                    headers = {"Host": host_header, "Accept-Encoding": "identity"}
+                    async with client.stream("GET", target, headers=headers, extensions=ext) as r:
                         if r.status_code in (301, 302, 303, 307, 308) and "location" in r.headers:
                             url = urljoin(url, r.headers["location"])
                             continue
@@ -162,11 +169,13 @@ class ImageLoader:
                                 f"Image URL answered HTTP {r.status_code}: {url[:200]}",
                                 "messages",
                             )
+                        _refuse_encoded(r.headers.get("content-encoding", ""), url)
                         declared = r.headers.get("content-length", "")
                         if declared.isdigit() and int(declared) > limit:
                             raise image_too_large(int(declared), limit)
                         data = bytearray()
-                        async for chunk in r.aiter_bytes():
+                        # Raw: the bytes on the wire are the bytes counted against the limit.
+                        async for chunk in r.aiter_raw():
                             data += chunk
                             if len(data) > limit:
                                 raise image_too_large(len(data), limit)
@@ -178,3 +187,81 @@ class ImageLoader:
                         f"Image URL could not be fetched: {type(err).__name__}: {err}", "messages"
                     ) from None
             raise bad(f"Image URL redirected more than {MAX_REDIRECTS} times", "messages")
+
+
+def _refuse_encoded(content_encoding: str, url: str) -> None:
+    """Refuse a body sent with a Content-Encoding other than identity (we ask for identity).
+
+    httpx would decode it, stacked codings too ('gzip, gzip'), and a chunk is checked against
+    the size limit only once it is inflated: 1.8 KB of doubly gzipped zeros became 1 GiB, on
+    the event loop, before the 10 MB limit refused it. Refusing is simpler and safer than a
+    bounded decoder for every coding (gzip, deflate, br, zstd, stacked): images are compressed
+    already, so servers seldom encode them, and those that do honour Accept-Encoding: identity.
+    """
+    codings = [c.strip().lower() for c in content_encoding.split(",")]
+    if any(c not in ("", "identity") for c in codings):
+        raise bad(
+            f"Image URL answered with Content-Encoding {content_encoding[:100]!r}; only "
+            f"unencoded images are fetched: {url[:200]}",
+            "messages",
+            code="image_url_encoded",
+        )
+
+
+def to_rgb(img: Image) -> Image:
+    """`img` decoded, upright and as 8-bit RGB, which is what vision processors expect.
+
+    Image.convert("RGB") alone gets three kinds of image wrong: it clips 16-bit samples (a
+    mid-grey 16-bit PNG came out white), it ignores the EXIF orientation (a phone photo
+    reached the model on its side), and it drops alpha (transparent pixels showed whatever
+    colour they stored, often black): they are composited onto white, as a viewer shows them.
+    Decoding errors are the caller's to report.
+    """
+    img.load()
+    img = _upright(img)
+    if img.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N", "F"):
+        img = _to_8bit(img)
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        return _on_white(img)
+    return img.convert("RGB")
+
+
+def _upright(img: Image) -> Image:
+    """`img` turned as its EXIF orientation says; as stored if the EXIF cannot be read (a
+    broken EXIF block should not fail an image that decodes)."""
+    from PIL import ImageOps
+
+    try:
+        ImageOps.exif_transpose(img, in_place=True)
+    except Exception:
+        pass
+    return img
+
+
+def _to_8bit(img: Image) -> Image:
+    """A one-channel image of 16-bit integers or floats as 8-bit grey (mode L), scaled from its
+    range: 16 bits for the I;16 modes and for I when its values fit them (16-bit PNGs open as
+    I;16, or as I in older Pillow), 0..1 for F when they fit it, else the image's own maximum."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    a = np.asarray(img, dtype=np.float32)  # exact for 16-bit integers
+    low, high = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if img.mode.startswith("I;16") or (img.mode == "I" and low >= 0 and high <= 65535):
+        top = 65535.0
+    elif img.mode == "F" and low >= 0 and high <= 1:
+        top = 1.0
+    else:
+        top = max(high, 1.0)
+    grey = np.clip(np.rint(a * (255.0 / top)), 0, 255).astype(np.uint8)
+    return PILImage.fromarray(grey)  # 2-D uint8: mode L
+
+
+def _on_white(img: Image) -> Image:
+    """`img` with its transparency composited onto white, as RGB."""
+    from PIL import Image as PILImage
+
+    rgba = img.convert("RGBA")  # P and L/RGB with a transparent colour get their alpha here
+    page = PILImage.new("RGBA", rgba.size, (255, 255, 255, 255))
+    page.alpha_composite(rgba)
+    return page.convert("RGB")

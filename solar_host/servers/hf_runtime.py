@@ -23,6 +23,7 @@ from jinja2 import TemplateError
 
 from solar_host.servers.detokenizer import Detokenizer
 from solar_host.servers.hf_decode import GenResult, config_parts
+from solar_host.servers.hf_images import to_rgb
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
 from solar_host.servers.prompt_encoder import PromptEncoder
 
@@ -519,6 +520,66 @@ class CausalEngine:
 
 # The image formats a chat may carry (what OpenAI's vision API takes, and BMP).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Longest side over shortest side. Processors scale an image's shortest edge to their target
+# (32 px in the tests' tiny model, 224 or 336 in CLIP's) and its long edge with it, so a thin
+# image few pixels in all became a huge one: 10x4,000,000 took 19 s and 5.7 GB in the tiny
+# model's processor, 2x20,000,000 a MemoryError. 200:1 is Qwen2-VL's own limit (its
+# smart_resize refuses past it); at it a CLIP-336 processor makes 336x67,200 pixels before its
+# crop (0.5 s, 210 MB): bounded, whatever the image.
+MAX_ASPECT_RATIO = 200
+# Images are shrunk (aspect kept) to this longest edge before the processor: no real vision
+# processor reads more, and one that keeps the size it is given (no resize, or a large
+# max_pixels) would otherwise work on every pixel MAX_IMAGE_PIXELS lets in.
+MAX_EDGE = 4096
+
+
+def _image_too_large(message: str) -> APIError:
+    return APIError(413, message, code="image_too_large", param="messages")
+
+
+def _open_image(i: int, raw: bytes) -> Any:
+    """Image `i` opened from its header (no pixel decoded), or a 4xx."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():  # our own limits decide, with a 413
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # Reads the header only, for these formats: some of Pillow's others decode in
+            # open() (an ICO wrapping a 12000x12000 PNG took 550 MB there).
+            return Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError as err:
+        raise _image_too_large(f"Image {i}: {err}") from None
+    except Exception as err:
+        raise APIError(400, f"Image {i} could not be decoded: {err}", param="messages") from None
+
+
+def _check_shape(i: int, w: int, h: int) -> None:
+    """Refuse image `i`, from its header, if it is too large or too thin to process."""
+    if w * h > MAX_IMAGE_PIXELS:
+        raise _image_too_large(
+            f"Image {i} is {w}x{h} pixels, more than this server's limit of "
+            f"{MAX_IMAGE_PIXELS} pixels"
+        )
+    if max(w, h) > MAX_ASPECT_RATIO * max(1, min(w, h)):
+        raise APIError(
+            400,
+            f"Image {i} in 'messages' is {w}x{h} pixels; its sides may differ by a factor of "
+            f"{MAX_ASPECT_RATIO} at most",
+            code="image_aspect_ratio",
+            param="messages",
+        )
+
+
+def _prepared(i: int, img: Any) -> Any:
+    """Image `i` decoded as upright 8-bit RGB, its longest edge at most MAX_EDGE."""
+    try:
+        rgb = to_rgb(img)
+        rgb.thumbnail((MAX_EDGE, MAX_EDGE))  # in place; only ever shrinks
+        return rgb
+    except MemoryError:
+        raise _image_too_large(f"Image {i} is too large to process on this server") from None
+    except Exception as err:
+        raise APIError(400, f"Image {i} could not be decoded: {err}", param="messages") from None
 
 
 class VisionEngine(CausalEngine):
@@ -529,56 +590,22 @@ class VisionEngine(CausalEngine):
         self.processor = processor
 
     def vision_inputs(self, messages: list[dict[str, Any]], images: list[bytes]) -> dict:
-        try:
-            from PIL import Image
-        except ImportError:
-            raise APIError(
-                500, "Pillow is not installed on this host", type_="server_error"
-            ) from None
+        if importlib.util.find_spec("PIL") is None:
+            raise APIError(500, "Pillow is not installed on this host", type_="server_error")
         opened = []
         total = 0
         for i, raw in enumerate(images):
-            try:
-                with warnings.catch_warnings():  # our own limit below decides, with a 413
-                    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                    # Reads the header only, for these formats: some of Pillow's others
-                    # decode in open() (an ICO wrapping a 12000x12000 PNG took 550 MB there).
-                    img = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
-            except Image.DecompressionBombError as err:
-                raise APIError(
-                    413, f"Image {i}: {err}", code="image_too_large", param="messages"
-                ) from None
-            except Exception as err:
-                raise APIError(
-                    400, f"Image {i} could not be decoded: {err}", param="messages"
-                ) from None
+            img = _open_image(i, raw)
             w, h = img.size
-            if w * h > MAX_IMAGE_PIXELS:  # checked before the pixels are decoded
-                raise APIError(
-                    413,
-                    f"Image {i} is {w}x{h} pixels, more than this server's limit of "
-                    f"{MAX_IMAGE_PIXELS} pixels",
-                    code="image_too_large",
-                    param="messages",
-                )
+            _check_shape(i, w, h)  # before any pixel is decoded
             total += w * h
             if total > MAX_REQUEST_PIXELS:  # every header read before any pixel is decoded
-                raise APIError(
-                    413,
+                raise _image_too_large(
                     f"The images of this request have {total} pixels in all (counting up to "
-                    f"image {i}), more than this server's limit of {MAX_REQUEST_PIXELS}",
-                    code="image_too_large",
-                    param="messages",
+                    f"image {i}), more than this server's limit of {MAX_REQUEST_PIXELS}"
                 )
             opened.append(img)
-        pil = []
-        for i, img in enumerate(opened):
-            try:
-                pil.append(img.convert("RGB"))
-            except Exception as err:
-                raise APIError(
-                    400, f"Image {i} could not be decoded: {err}", param="messages"
-                ) from None
+        pil = [_prepared(i, img) for i, img in enumerate(opened)]
         try:
             text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
             # The prompt is the processor's: the image placeholders are expanded to the tokens
@@ -589,6 +616,10 @@ class VisionEngine(CausalEngine):
             # typed in the text that match no image part.
             raise APIError(
                 400, f"The model's processor refused the messages: {err}", param="messages"
+            ) from None
+        except MemoryError:  # the request's, not the server's fault: a 413, not a 500
+            raise _image_too_large(
+                "The images of this request are too large for this model's processor"
             ) from None
         return {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
 
