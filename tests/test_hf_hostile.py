@@ -254,7 +254,8 @@ def test_a_lone_surrogate_in_a_key_or_as_raw_bytes_is_a_400_and_harms_no_one(ser
 
 
 def test_request_headers_are_bounded_in_size(servers) -> None:
-    """httptools keeps headers of any size: 400 headers of 1 MiB took 400 MiB."""
+    """httptools keeps headers of any size: 400 headers of 1 MiB took 400 MiB. Past 64 KiB the
+    answer is a 431 and the close; a client still sending may see the reset instead."""
     port = int(servers["causal"].url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -264,7 +265,7 @@ def test_request_headers_are_bounded_in_size(servers) -> None:
             got = sock.recv(100)
         except OSError:  # reset while sending: closed all the same
             got = b""
-    assert got == b"", got
+    assert got == b"" or got.startswith(b"HTTP/1.1 431 "), got
     assert httpx.get(servers["causal"].url + "/health").status_code == 200
 
 
