@@ -82,34 +82,38 @@ async def test_hf_cache_is_read_only_unless_a_step_asks(
     dockerd: DockerDaemon,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    os.chmod(hf, 0o777)  # the container's user may write where the mount lets it
-    (hf / "shared-model.bin").write_bytes(b"weights")
+    hub = tmp_path / "hf" / "hub"  # only the hub cache of HF_CACHE_DIR is mounted
+    hub.mkdir(parents=True)
+    os.chmod(hub, 0o777)  # the container's user may write where the mount lets it
+    (hub / "shared-model.bin").write_bytes(b"weights")
     host = Host(make_settings(tmp_path))
-    write = 'echo new > "$HF_HOME/written" && echo tamper > "$HF_HOME/shared-model.bin"'
+    write = 'echo new > "$HF_HUB_CACHE/written" && echo tamper > "$HF_HUB_CACHE/shared-model.bin"'
     async with running(host) as client:
         r = await client.post("/jobs", json=job_body("ro-1", sh("a", dockerd.image, write)))
         assert r.status_code == 202, r.text
         ro = await wait_for(client, "ro-1", finished, within=60)
         assert ro["status"] == "failed", ro
-        assert not (hf / "written").exists()
-        assert (hf / "shared-model.bin").read_bytes() == b"weights"
-        step = sh("a", dockerd.image, 'echo new > "$HF_HOME/written"', hf_cache_write=True)
+        assert not (hub / "written").exists()
+        assert (hub / "shared-model.bin").read_bytes() == b"weights"
+        step = sh("a", dockerd.image, 'echo new > "$HF_HUB_CACHE/written"', hf_cache_write=True)
         r = await client.post("/jobs", json=job_body("rw-1", step))
         assert r.status_code == 202, r.text
         rw = await wait_for(client, "rw-1", finished, within=60)
         assert rw["status"] == "completed", rw
-        assert (hf / "written").read_text() == "new\n"
+        assert (hub / "written").read_text() == "new\n"
         # A preparation step downloads models: it writes by default, unless it says no.
-        prep = sh("p", dockerd.image, 'echo prep > "$HF_HOME/prep"', is_preparation_step=True)
+        prep = sh("p", dockerd.image, 'echo prep > "$HF_HUB_CACHE/prep"', is_preparation_step=True)
         r = await client.post("/jobs", json=job_body("prep-1", prep))
         assert (await wait_for(client, "prep-1", finished, within=60))["status"] == "completed"
-        assert (hf / "prep").read_text() == "prep\n"
-        no = {**prep, "hf_cache_write": False, "command": ["sh", "-c", 'echo x > "$HF_HOME/no"']}
+        assert (hub / "prep").read_text() == "prep\n"
+        no = {
+            **prep,
+            "hf_cache_write": False,
+            "command": ["sh", "-c", 'echo x > "$HF_HUB_CACHE/no"'],
+        }
         r = await client.post("/jobs", json=job_body("prep-2", no))
         assert (await wait_for(client, "prep-2", finished, within=60))["status"] == "failed"
-        assert not (hf / "no").exists()
+        assert not (hub / "no").exists()
 
 
 async def test_step_logs_are_bounded(

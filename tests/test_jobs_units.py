@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -296,11 +297,50 @@ def test_workspace_create_and_delete(tmp_path: Path) -> None:
     assert cfg["pipeline"] == ["s1"] and cfg["steps"] == {} and cfg["base_model_uri"] == "hf://a/b"
     assert json.loads((root / "config" / "training.json").read_text()) == {"lr": 0.1}
     (root / "logs" / "s1.log").write_text("old run\n")
-    create_workspace(tmp_path / "jobs", job(), os.getuid(), os.getgid())  # idempotent
+    # A second create finds a workspace with no record: it is moved aside, not reused.
+    create_workspace(tmp_path / "jobs", job(), os.getuid(), os.getgid())
     assert not (root / "logs" / "s1.log").exists()
-    delete_workspace(root)
+    [aside] = (tmp_path / "jobs" / ".orphaned").iterdir()
+    assert (aside / "logs" / "s1.log").read_text() == "old run\n"
+    delete_workspace(tmp_path / "jobs", "job-1")
     assert not root.exists()
-    delete_workspace(root)  # missing is fine
+    delete_workspace(tmp_path / "jobs", "job-1")  # missing is fine
+
+
+def test_workspace_reuse_never_writes_through_planted_links(tmp_path: Path) -> None:
+    """A step planted config/job.json -> a host file, and its record was lost (damaged store,
+    moved JOBS_DIR): re-submitting the id must not make the host write the linked file."""
+    jobs = tmp_path / "jobs"
+    victim, victim_dir = tmp_path / "host-config.json", tmp_path / "host-dir"
+    victim.write_text("precious\n")
+    victim_dir.mkdir()
+    d = job(training_config={"lr": 0.1})
+    root = create_workspace(jobs, d, os.getuid(), os.getgid())
+    for name in ("job.json", "training.json"):
+        (root / "config" / name).unlink()
+        (root / "config" / name).symlink_to(victim)
+    shutil.rmtree(root / "logs")
+    (root / "logs").symlink_to(victim_dir)
+    create_workspace(jobs, d, os.getuid(), os.getgid())
+    assert victim.read_text() == "precious\n"
+    assert list(victim_dir.iterdir()) == []
+    for name in ("job.json", "training.json"):
+        assert not (root / "config" / name).is_symlink()
+    assert json.loads((root / "config" / "job.json").read_text())["job_id"] == "job-1"
+    # The workspace itself replaced by a link: the link is moved aside, its target untouched.
+    shutil.rmtree(root)
+    root.symlink_to(victim_dir)
+    create_workspace(jobs, d, os.getuid(), os.getgid())
+    assert not root.is_symlink() and list(victim_dir.iterdir()) == []
+    assert len(list((jobs / ".orphaned").iterdir())) == 2
+
+
+def test_delete_workspace_is_confined_to_jobs_dir(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "keep").mkdir(parents=True)
+    for bad in ("..", "/", str(outside), "../outside", ".orphaned"):
+        delete_workspace(tmp_path / "jobs", bad)
+    assert (outside / "keep").is_dir()
 
 
 def test_check_disk_boundaries(tmp_path: Path) -> None:
@@ -452,7 +492,16 @@ def test_container_spec_mounts_and_identity(tmp_path: Path) -> None:
     assert train.binds[f"{root}/data"]["mode"] == "ro"
     assert train.binds[f"{root}/output"]["mode"] == "rw"
     assert train.binds[f"{root}/config"]["mode"] == "rw"
-    assert train.binds[str(tmp_path / "hf")]["bind"] == "/workspace/.cache/huggingface"
+    # The host's HF home (its token) is not mounted: only its hub cache, over the job's own
+    # HF_HOME.
+    assert str(tmp_path / "hf") not in train.binds
+    assert train.binds[str(tmp_path / "hf" / "hub")] == {
+        "bind": "/workspace/.cache/huggingface/hub",
+        "mode": "ro",
+    }
+    assert prep.binds[str(tmp_path / "hf" / "hub")]["mode"] == "rw"
+    assert train.binds[f"{root}/hf_home"] == {"bind": "/workspace/.cache/huggingface", "mode": "rw"}
+    assert train.environment["HF_HUB_CACHE"] == "/workspace/.cache/huggingface/hub"
     assert f"{root}/logs" not in train.binds  # logs are written by the host only
     assert train.user == "1234:99" and train.network_mode == "none"
     assert train.name == "solar-job-job-1-t"

@@ -159,8 +159,10 @@ async def submit_job(request: Request) -> Any:
 
 @router.get("/jobs", response_model=list[JobStateResponse])
 async def list_jobs(request: Request) -> list[dict[str, Any]]:
+    """Every job without step logs (recent_logs empty; GET /jobs/{id} has them): control
+    reads job_id and status here, and the logs of every retained job made it megabytes."""
     service = _service(request)
-    return [service.view(j) for j in service.list()]
+    return [service.view(j, logs=False) for j in service.list()]
 
 
 def _known(job_id: str) -> str:

@@ -156,8 +156,9 @@ class StepDefinition(BaseModel):
     is_preparation_step: bool = False
     hf_cache_write: bool | None = Field(
         default=None,
-        description="Mount the host's HF cache read-write. Default: only for preparation "
-        "steps (they download the models the job uses); every other step reads it only.",
+        description="Mount the host's HF hub cache (models and datasets, never the host's HF "
+        "token) read-write. Default: only for preparation steps (they download the models the "
+        "job uses); every other step reads it only.",
     )
     timeout_s: float | None = Field(
         default=None,

@@ -40,6 +40,7 @@ from solar_host.jobs.workspace import (
     create_workspace,
     delete_workspace,
     step_log_path,
+    workspace_path,
 )
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
@@ -137,7 +138,11 @@ class JobService:
         self.store = JobStore(self.jobs_dir / STORE_FILE)
         self.buffer = StepLogBuffer(bus, settings.log_buffer_size)
         self.executor = JobExecutor(
-            settings, bus, self.store, StepRunner(settings, bus, self.store, self.buffer), probe
+            settings,
+            bus,
+            self.store,
+            StepRunner(settings, bus, self.store, self.buffer, probe),
+            probe,
         )
         self._docker_factory = docker_factory or DockerJobs.connect
         self._docker: DockerJobs | None = None
@@ -277,15 +282,22 @@ class JobService:
         job = self.store.get(job_id)
         return job is not None and job.status == JobStatus.running
 
-    def view(self, job: JobState) -> dict[str, Any]:
-        """The JobStateResponse shape: state plus log_file and recent_logs per step."""
+    def view(self, job: JobState, *, logs: bool = True) -> dict[str, Any]:
+        """The JobStateResponse shape: state plus log_file and recent_logs per step
+        (`logs=False`: recent_logs left empty, for the list of every job)."""
         data = job.model_dump(mode="json", exclude={"definition"})
-        data["steps"] = [self._step_view(job, s) for s in job.steps]
+        # Where the workspace is now: a store copied along with a moved JOBS_DIR still names
+        # the old place.
+        data["workspace_path"] = str(workspace_path(self.jobs_dir, job.job_id))
+        data["steps"] = [self._step_view(job, s, logs) for s in job.steps]
         return data
 
-    def _step_view(self, job: JobState, step: StepState) -> dict[str, Any]:
+    def _step_view(self, job: JobState, step: StepState, logs: bool) -> dict[str, Any]:
         data = step.model_dump(mode="json")
         data["log_file"] = str(step_log_path(self.jobs_dir, job.job_id, step.name))
+        if not logs:
+            data["recent_logs"] = []
+            return data
         data["recent_logs"] = [
             {
                 "seq": e["seq"],
@@ -363,7 +375,7 @@ class JobService:
                 await self.store.add(state)
             except (OSError, ValueError, RecursionError) as err:
                 # Nothing started: the workspace goes, the caller hears.
-                await asyncio.to_thread(delete_workspace, str(path))
+                await asyncio.to_thread(delete_workspace, self.jobs_dir, job_id)
                 reason = getattr(err, "strerror", None) or str(err)
                 raise JobNotPersisted(f"Cannot write the job store: {reason}") from None
         finally:
@@ -421,9 +433,8 @@ class JobService:
         await self._forget(job_id)
 
     async def _forget(self, job_id: str) -> None:
-        job = self.store.get(job_id)
-        if job is not None and job.workspace_path:
-            await asyncio.to_thread(delete_workspace, job.workspace_path)
+        # JOBS_DIR/<id>, not the stored workspace_path (see delete_workspace).
+        await asyncio.to_thread(delete_workspace, self.jobs_dir, job_id)
         self.buffer.remove(job_id)
         self.store.remove(job_id)
 

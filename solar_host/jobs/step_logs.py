@@ -9,8 +9,8 @@ Two halves, one per thread:
   the last N per step and publishes `events.StepLog`. Because batches and the completion marker
   both go through the loop's FIFO, the marker is always the step's last entry.
 
-The buffers outlive the job (GET /jobs/{id} shows recent_logs of a finished job); they are
-dropped when the job is forgotten (cancel, retention).
+The buffers outlive the job (GET /jobs/{id} shows recent_logs of a finished job), cut to a
+small tail when the step ends; they are dropped when the job is forgotten (cancel, retention).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ from solar_host.log_limits import RotatingWriter, cut_marker
 log = logging.getLogger(__name__)
 
 RECENT_LOGS = 100
+# What a finished step keeps in memory for its job's whole retention (the file has the rest):
+# its last RECENT_LOGS lines, at most this many characters of them. Lines are up to 16 KiB, and
+# jobs x steps is not bounded, so keeping the running step's 1000-line ring cost hundreds of MB.
+FINISHED_STEP_LOG_CHARS = 32 * 1024
 # Default cut of one line (LOG_LINE_MAX_BYTES), so one endless line cannot exhaust memory.
 MAX_LINE_CHARS = 16 * 1024
 # Injected secrets (ruling 14) printed by a step are replaced by this in every copy of its log.
@@ -137,7 +141,9 @@ class StepLogBuffer:
             "completed": True,
             "exit_code": exit_code,
         }
-        self._deque(key).append(entry)
+        buf = self._deque(key)
+        buf.append(entry)
+        self._entries[key] = finished_tail(buf)
         self.bus.publish(StepLog(entry))
 
     def recent(self, job_id: str, step_name: str, limit: int = RECENT_LOGS) -> list[dict[str, Any]]:
@@ -150,6 +156,21 @@ class StepLogBuffer:
         for key in [k for k in self._entries if k[0] == job_id]:
             self._entries.pop(key, None)
             self._seq.pop(key, None)
+
+
+def finished_tail(buf: deque[dict[str, Any]]) -> deque[dict[str, Any]]:
+    """The entries a finished step keeps: the newest RECENT_LOGS, within
+    FINISHED_STEP_LOG_CHARS (the completion marker, last, is always kept)."""
+    kept: list[dict[str, Any]] = []
+    chars = 0
+    for entry in reversed(buf):
+        chars += len(entry["line"])
+        if kept and (len(kept) >= RECENT_LOGS or chars > FINISHED_STEP_LOG_CHARS):
+            break
+        kept.append(entry)
+    kept.reverse()
+    # A fresh deque: the old one's storage is freed, not just emptied.
+    return deque(kept, maxlen=buf.maxlen)
 
 
 def pump_container_output(

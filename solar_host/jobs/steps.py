@@ -30,8 +30,9 @@ from solar_host.jobs.docker import (
 )
 from solar_host.jobs.schemas import GpuRequest, JobDefinition, StepDefinition, StepStatus
 from solar_host.jobs.step_logs import StepLogBuffer, loop_deliverer, pump_container_output
-from solar_host.jobs.store import JobStore
+from solar_host.jobs.store import STORE_FILE, JobStore
 from solar_host.jobs.workspace import step_log_path, workspace_path
+from solar_host.resources.probes import GB, SystemProbe
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,16 @@ T = TypeVar("T")
 
 WORKSPACE = "/workspace"
 HF_HOME_IN_CONTAINER = "/workspace/.cache/huggingface"
+HF_HUB_CACHE_IN_CONTAINER = f"{HF_HOME_IN_CONTAINER}/hub"
 STDERR_SUMMARY_LINES = 20
 LOG_DRAIN_TIMEOUT_S = 5.0
 STOP_GRACE_S = 10
 SHUTDOWN_MESSAGE = "Host shut down while the job was running"
+DISK_FLOOR_MESSAGE = "disk free below floor during step"
+# How often a running step's disk use is checked (as pulls do, PULL_DISK_POLL_INTERVAL_S).
+JOB_DISK_POLL_INTERVAL_S = 0.5
+# Free space kept beyond the floor for the job store's own writes (plus twice its size).
+STORE_HEADROOM_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -83,12 +90,25 @@ def run_in_thread(fn: Callable[..., T], *args: Any, name: str = "job-io") -> asy
     return fut
 
 
-def default_hf_cache(settings: Settings) -> Path:
+def default_hf_home(settings: Settings) -> Path:
+    """The host's HF home: HF_CACHE_DIR, else $HF_HOME, else ~/.cache/huggingface."""
     if settings.hf_cache_dir is not None:
         return Path(settings.hf_cache_dir)
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"])
     return Path.home() / ".cache" / "huggingface"
+
+
+def default_hf_cache(settings: Settings) -> Path:
+    """The host's HF hub cache (models and datasets), the only part of the HF home a job sees.
+
+    Not the HF home itself: it holds `token` and `stored_tokens` (`hf auth login`), which
+    JOB_INJECT_SECRETS=false must keep from jobs, and which a job must never rewrite.
+    HF_HUB_CACHE is honoured as huggingface_hub does, unless the operator chose HF_CACHE_DIR.
+    """
+    if settings.hf_cache_dir is None and os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return default_hf_home(settings) / "hub"
 
 
 def nvidia_visible_devices(gpu: GpuRequest) -> str:
@@ -139,6 +159,7 @@ def step_environment(
         "STEP_NAME": step.name,
         "STEP_INDEX": str(index),
         "HF_HOME": HF_HOME_IN_CONTAINER,
+        "HF_HUB_CACHE": HF_HUB_CACHE_IN_CONTAINER,
     }
     if settings.job_inject_secrets:  # ruling 14: control's job images expect them
         env.update(
@@ -171,10 +192,14 @@ def container_spec(
         str(root / "data"): {"bind": f"{WORKSPACE}/data", "mode": inputs},
         str(root / "output"): {"bind": f"{WORKSPACE}/output", "mode": "rw"},
         str(root / "config"): {"bind": f"{WORKSPACE}/config", "mode": "rw"},
-        # Read-only unless the step writes it (a preparation step, or hf_cache_write): one
-        # job's training step must not rewrite the models other jobs and instances load.
+        # HF_HOME is the job's own (what huggingface_hub writes beside the hub cache: a token
+        # a step logs in with, xet and assets caches), removed with the workspace.
+        str(root / "hf_home"): {"bind": HF_HOME_IN_CONTAINER, "mode": "rw"},
+        # Only the host's hub cache, mounted over HF_HOME/hub, never the host's HF home (its
+        # token). Read-only unless the step writes it (a preparation step, or hf_cache_write):
+        # one job's training step must not rewrite the models other jobs and instances load.
         str(default_hf_cache(settings).absolute()): {
-            "bind": HF_HOME_IN_CONTAINER,
+            "bind": HF_HUB_CACHE_IN_CONTAINER,
             "mode": "rw" if step.writes_hf_cache else "ro",
         },
     }
@@ -199,6 +224,24 @@ def container_spec(
             else int(settings.job_memory_limit_gb * 1024**3)
         ),
     )
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why the host stopped a running step."""
+
+    kind: Literal["timeout", "disk"]
+    why: str
+
+
+def step_disk_floor_gb(settings: Settings, job: JobDefinition) -> float:
+    """Free space a running step must leave on JOBS_DIR's filesystem: the host's floor
+    (MIN_FREE_DISK_GB), or the job's own min_free_disk_gb where lower. Not the job's value
+    where higher: that is what the job needs free to start, and its steps are meant to use it."""
+    floor = settings.min_free_disk_gb
+    if job.min_free_disk_gb is not None:
+        floor = min(floor, job.min_free_disk_gb)
+    return floor
 
 
 @dataclass(frozen=True)
@@ -231,11 +274,13 @@ class StepRunner:
         bus: EventBus,
         store: JobStore,
         buffer: StepLogBuffer,
+        probe: SystemProbe,
     ) -> None:
         self.settings = settings
         self.bus = bus
         self.store = store
         self.buffer = buffer
+        self.probe = probe
 
     def _publish(self, name: str, payload: dict[str, Any]) -> None:
         self.bus.publish(JobLifecycle(name, payload))
@@ -306,7 +351,7 @@ class StepRunner:
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started
                 await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
             try:
-                exit_code, timed_out = await self._wait(docker, job_id, container_id, limit)
+                exit_code, stopped = await self._wait(docker, job, container_id, limit)
             except Exception as err:  # the daemon went away (killed, restarted) mid-step
                 if run.cancel.is_set():
                     return self._cancelled(job_id, step.name, index, started, None)
@@ -322,12 +367,15 @@ class StepRunner:
                 return fail(exit_code, summary=SHUTDOWN_MESSAGE, job_message=SHUTDOWN_MESSAGE)
             if run.cancel.is_set():
                 return self._cancelled(job_id, step.name, index, started, exit_code)
-            if exit_code == 0 and not timed_out:
+            if exit_code == 0 and stopped is None:
                 return self._completed(job_id, step.name, index, started)
             tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
             summary = "\n".join(tail)
             message = f"Step '{step.name}' failed with exit code {exit_code}"
-            if timed_out:
+            if stopped is not None and stopped.kind == "disk":
+                message = f"Step '{step.name}' was stopped: {stopped.why} (exit code {exit_code})"
+                summary = f"{stopped.why}\n{summary}".rstrip("\n")
+            elif stopped is not None:
                 assert limit is not None
                 ran_past = (
                     f"ran past its time limit of {limit.seconds:g} s ({limit.source}) "
@@ -357,32 +405,76 @@ class StepRunner:
                 await asyncio.to_thread(docker.remove, container_id)
 
     async def _wait(
-        self, docker: DockerJobs, job_id: str, container_id: str, limit: TimeLimit | None
-    ) -> tuple[int, bool]:
-        """The container's exit code, and whether it was stopped for running past `limit`
-        (SIGTERM, then SIGKILL after STOP_GRACE_S: the same stop a cancel gives)."""
+        self,
+        docker: DockerJobs,
+        job: JobDefinition,
+        container_id: str,
+        limit: TimeLimit | None,
+    ) -> tuple[int, StopReason | None]:
+        """The container's exit code, and why the host stopped it, if it did: it ran past
+        `limit`, or JOBS_DIR's free space fell below the step's disk floor (SIGTERM, then
+        SIGKILL after STOP_GRACE_S: the same stop a cancel gives)."""
+        job_id = job.job_id
         waiter = run_in_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
-        if limit is None:
-            return await waiter, False
         try:
-            # shield: the timeout must not cancel the wait, whose exit code is still wanted.
-            return await asyncio.wait_for(asyncio.shield(waiter), limit.seconds), False
-        except TimeoutError:
+            reason = await self._watch(waiter, job, limit)
+            if reason is None:
+                return waiter.result(), None
             log.warning(
-                "job %s: step container %s ran past its time limit of %g s (%s); stopping it",
-                job_id,
-                container_id[:12],
-                limit.seconds,
-                limit.source,
+                "job %s: stopping step container %s: %s", job_id, container_id[:12], reason.why
             )
             # A thread of its own: the stop may wait out its whole grace (a step that ignores
             # SIGTERM), and a shared executor worker held that long made every submit, ping
             # and state write of the host wait behind it.
             await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
-            return await waiter, True
+            return await waiter, reason
         finally:
             if not waiter.done():  # this task was cancelled (the host stopping)
                 waiter.cancel()
+
+    async def _watch(
+        self, waiter: asyncio.Future[int], job: JobDefinition, limit: TimeLimit | None
+    ) -> StopReason | None:
+        """Wait for the container to exit, checking the disk every JOB_DISK_POLL_INTERVAL_S:
+        the floor is checked before each step, but one step can fill the disk, and then
+        every write of the job store fails (the job's true outcome is lost on a host kill)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if limit is None else loop.time() + limit.seconds
+        floor_gb = step_disk_floor_gb(self.settings, job)
+        while True:
+            wait_s = JOB_DISK_POLL_INTERVAL_S
+            if deadline is not None:
+                wait_s = min(wait_s, max(0.0, deadline - loop.time()))
+            # asyncio.wait, not wait_for: the waiter is never cancelled by a timeout here.
+            done, _ = await asyncio.wait({waiter}, timeout=wait_s)
+            if done:
+                return None
+            if limit is not None and deadline is not None and loop.time() >= deadline:
+                why = f"ran past its time limit of {limit.seconds:g} s ({limit.source})"
+                return StopReason("timeout", why)
+            free = await asyncio.to_thread(self._free_bytes_below, floor_gb)
+            if free is not None:
+                return StopReason(
+                    "disk",
+                    f"{DISK_FLOOR_MESSAGE} ({free / GB:.2f} GB free on the filesystem of "
+                    f"JOBS_DIR, floor {floor_gb:g} GB plus room for the job store)",
+                )
+
+    def _free_bytes_below(self, floor_gb: float) -> int | None:
+        """Free bytes of JOBS_DIR's filesystem when below the floor (None: enough, or unknown).
+
+        The floor keeps room for the job store's next atomic write (a new copy beside the old),
+        so the step's failure can still be recorded."""
+        jobs_dir = Path(self.settings.jobs_dir)
+        usage = self.probe.disk(jobs_dir)
+        if usage is None:
+            return None
+        try:
+            store_bytes = (jobs_dir / STORE_FILE).stat().st_size
+        except OSError:
+            store_bytes = 0
+        floor = int(floor_gb * GB) + 2 * store_bytes + STORE_HEADROOM_BYTES
+        return usage.available_bytes if usage.available_bytes < floor else None
 
     # --- outcomes: one store change, then the marker and the event --------------------------
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.events import utc_now
-from solar_host.jobs.schemas import JobState, JobStatus, StepStatus
+from solar_host.jobs.schemas import JobState, JobStatus, StepStatus, validate_slug
 from solar_host.statefiles import (
     PRIVATE,
     GroupCommit,
@@ -129,6 +129,9 @@ class JobStore:
         for item in raw["jobs"]:
             try:
                 job = JobState.model_validate(item)
+                # The id names the workspace that retention deletes: an entry whose id is not
+                # a plain directory name ("..", "/") is damage, not a job.
+                validate_slug(job.job_id, "job_id")
             except ValueError as err:
                 log.error(
                     "job store %s: an entry that does not validate is kept unchanged "
