@@ -18,6 +18,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -371,6 +372,15 @@ class Settings(BaseModel):
     def _strip(cls, v: object) -> object:
         return v.strip() if isinstance(v, str) else v
 
+    @field_validator("solar_control_url")
+    @classmethod
+    def _check_control_urls(cls, v: str) -> str:
+        # Here, not when the link starts: a bad URL was a traceback at start-up, or (a port out
+        # of range) a link failing for ever.
+        for item in _items(v):
+            normalize_control_url(item)
+        return v
+
     @field_validator("host")
     @classmethod
     def _refuse_url_host(cls, v: str) -> str:
@@ -450,6 +460,32 @@ class Settings(BaseModel):
 def _items(text: str) -> list[str]:
     """The non-blank items of a comma-separated setting, stripped."""
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def normalize_control_url(url: str) -> str:
+    """scheme://host[:port] of one SOLAR_CONTROL_URL item: ws->http, wss->https, bare->http;
+    the path (e.g. the legacy /ws/host-channel) is dropped: control serves /socket.io/ only.
+    Raises ValueError saying what is wrong."""
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    # What the error quotes: the item as written, less any password in it.
+    shown = repr(url.strip().replace(f"{parts.username}:{parts.password}@", "***@"))
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
+    if scheme not in ("http", "https"):
+        raise ValueError(
+            f"unsupported scheme {parts.scheme!r} in {shown} (use http, https, ws or wss)"
+        )
+    if not parts.hostname:
+        raise ValueError(f"no host in {shown}")
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        raise ValueError(f"the port in {shown} is not a number from 1 to 65535")
+    return f"{scheme}://{parts.netloc}"
 
 
 def _echo_delays(text: str) -> list[float]:

@@ -19,9 +19,10 @@ reports wait, coalesced, and the outbox keeps dropping by its caps, so memory st
 Bus handlers only touch memory, so a host with control unreachable never waits for it.
 
 Events from control are checked field by field: a value of the wrong type is ignored with a
-warning, never stored. The link stops reconnecting only when control's last word about
-registration was `rejected` for the key in use; a later `registration_ack` or `pending` undoes
-a rejection.
+warning, never stored. Commands are run only for a session control has acknowledged, and the
+link never follows an HTTP redirect: the key goes to the configured address or nowhere.
+The link stops reconnecting only when control's last word about registration was `rejected`
+for the key in use; a later `registration_ack` or `pending` undoes a rejection.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
+import aiohttp
 import socketio
+import yarl
 
 from solar_host import events as ev
 from solar_host.control.commands import COMMANDS, CommandRunner, failure
@@ -46,6 +48,7 @@ from solar_host.control.outbox import Outbox
 from solar_host.control.packets import REFUSED, ControlPacket
 from solar_host.control.payloads import PayloadBuilder
 from solar_host.control.reporter import Reporter
+from solar_host.settings import normalize_control_url as normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +100,33 @@ class ControlLinkUnavailable(RuntimeError):
     """The link is not running, so POST /reconnect cannot start a connection (503)."""
 
 
-def normalize_url(url: str) -> str:
-    """scheme://host[:port] of a SOLAR_CONTROL_URL: ws->http, wss->https, bare->http; the path
-    (e.g. the legacy /ws/host-channel) is dropped: control serves /socket.io/ only."""
-    url = url.strip()
-    if "://" not in url:
-        url = "http://" + url
-    parts = urlsplit(url)
-    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
-    if scheme not in ("http", "https"):
-        raise ValueError(f"SOLAR_CONTROL_URL: unsupported scheme {parts.scheme!r} in {url!r}")
-    if not parts.netloc:
-        raise ValueError(f"SOLAR_CONTROL_URL: no host in {url!r}")
-    return f"{scheme}://{parts.netloc}"
+class RedirectRefused(aiohttp.ClientConnectionError):
+    """Control's address answered the handshake with a redirect, which the link never follows.
+    A connection error to Engine.IO, so either transport fails the connect as usual."""
+
+
+def http_refusing_redirects(refused: list[str]) -> aiohttp.ClientSession:
+    """The HTTP session Engine.IO connects through, one per connect and closed with it.
+
+    aiohttp follows up to 10 redirects to any origin, https to plain http included, and the
+    Socket.IO CONNECT that follows carries the host key: a control address answering 302 would
+    hand the key (and the right to send commands) to whatever it named. So the first redirect
+    ends the attempt; its target is noted in `refused` for the log line."""
+
+    async def refuse(_: Any, __: Any, params: aiohttp.TraceRequestRedirectParams) -> None:
+        location = params.response.headers.get("Location", "")
+        params.response.close()
+        try:  # the address the operator may mean, without Engine.IO's query
+            target = str(params.url.join(yarl.URL(location)).with_query(None))
+        except ValueError:
+            target = location
+        refused.append(target[:MAX_FIELD_CHARS] or "(no Location)")
+        raise RedirectRefused(f"redirect to {refused[-1]} not followed")
+
+    # A trace hook runs before aiohttp follows the redirect, in every aiohttp 3.x.
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(refuse)
+    return aiohttp.ClientSession(trace_configs=[trace])
 
 
 async def wait_event(event: asyncio.Event, within_s: float) -> bool:
@@ -130,6 +147,7 @@ class _Session:
 
     sio: socketio.AsyncClient
     url: str
+    http: aiohttp.ClientSession | None = None  # ours: Engine.IO leaves a given session open
     api_key: str = ""
     ns_connected: bool = False
     ack_seq: int = 0
@@ -169,6 +187,8 @@ class ControlLink:
         self._rejected_key: str | None = None
         self.ignored_fields = 0  # wrong-typed fields in control's events
         self.refused_packets = 0  # binary or undecodable packets from control (packets.py)
+        self.refused_unregistered = 0  # commands before registration_ack
+        self.refused_redirects = 0  # connects that control's address answered with a redirect
         self.oversized_reports = 0  # reports past CONTROL_MESSAGE_LIMIT
         self.commands = CommandRunner(
             lambda: self.host.services.get("instances"),
@@ -236,9 +256,11 @@ class ControlLink:
             "commands_refused": {
                 "busy": self.commands.refused_busy,
                 "payload_too_large": self.commands.refused_size,
+                "not_registered": self.refused_unregistered,
             },
             "ignored_fields": self.ignored_fields,
             "refused_packets": self.refused_packets,
+            "refused_redirects": self.refused_redirects,
             "oversized_reports": self.oversized_reports,
         }
 
@@ -369,6 +391,8 @@ class ControlLink:
         return woken
 
     async def _connect(self, url: str) -> _Session | None:
+        redirects: list[str] = []
+        http = http_refusing_redirects(redirects)
         sio = socketio.AsyncClient(
             reconnection=False,
             handle_sigint=False,
@@ -379,8 +403,9 @@ class ControlLink:
                 "max_msg_size": max(MAX_MESSAGE_BYTES, 2 * self.commands.max_bytes)
             },
             serializer=ControlPacket,
+            http_session=http,
         )
-        session = _Session(sio=sio, url=url, api_key=self.host.api_key)
+        session = _Session(sio=sio, url=url, http=http, api_key=self.host.api_key)
         _stamp_packets(session)
         self._bind_handlers(session)
         self._session = session
@@ -399,7 +424,19 @@ class ControlLink:
                 )
         except (socketio.exceptions.ConnectionError, TimeoutError, OSError, ValueError) as err:
             self.connect_failures += 1
-            log.info("cannot connect to solar-control at %s: %s", url, err or type(err).__name__)
+            if redirects:
+                self.refused_redirects += 1
+                if _worth_logging(self.refused_redirects):  # it repeats at every retry
+                    log.error(
+                        "solar-control at %s answered a redirect to %s: not followed; set "
+                        "SOLAR_CONTROL_URL to the final address",
+                        url,
+                        redirects[0],
+                    )
+            else:
+                log.info(
+                    "cannot connect to solar-control at %s: %s", url, err or type(err).__name__
+                )
             if self._session is session:
                 self._session = None
             await self._close(session)
@@ -438,6 +475,9 @@ class ControlLink:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
                 await session.sio.disconnect()
+        if session.http is not None:
+            with contextlib.suppress(Exception):
+                await session.http.close()
 
     # --- events from control ------------------------------------------------------------------
 
@@ -502,7 +542,7 @@ class ControlLink:
         sio.on("pending", on_pending, namespace=NAMESPACE)
         sio.on("rejected", on_rejected, namespace=NAMESPACE)
         for name in COMMANDS:
-            sio.on(name, self._command_handler(name), namespace=NAMESPACE)
+            sio.on(name, self._command_handler(name, session), namespace=NAMESPACE)
 
         async def on_refused(what: Any = None, *_: Any) -> dict[str, Any]:
             self.refused_packets += 1
@@ -514,13 +554,12 @@ class ControlLink:
         sio.on(REFUSED, on_refused, namespace="/")  # a bare binary frame names no namespace
 
     def _command_handler(
-        self, name: str
+        self, name: str, session: _Session
     ) -> Callable[..., Coroutine[Any, Any, dict[str, Any] | None]]:
         # python-socketio runs each incoming event as its own task, so a start that takes
         # minutes does not hold up other events; the return value is the ack.
         async def handler(data: Any = None, *extra: Any) -> dict[str, Any] | None:
-            session = self._session
-            if session is not None and self._unread(session):
+            if self._unread(session):
                 # Control sends commands and reads none of the acks: each one queued was kept
                 # in memory. The link is closed (and made again); the command is not run.
                 if not session.closed.is_set():
@@ -531,6 +570,18 @@ class ControlLink:
                     )
                     session.closed.set()
                 return None
+            if session is not self._session or not session.acked:
+                # Control acknowledges a host before it may drive it (it sends the ack in its
+                # connect handler, before anything else); a peer that never did, one keeping
+                # the host pending, or an old connection, gets an answer and no action.
+                self.refused_unregistered += 1
+                if _worth_logging(self.refused_unregistered):
+                    log.warning(
+                        "solar-control sent %s before acknowledging this host; refused", name
+                    )
+                return failure(
+                    403, "this host is not registered with solar-control", code="not_registered"
+                )
             return await self.commands.run(name, data)
 
         return handler

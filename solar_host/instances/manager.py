@@ -49,6 +49,7 @@ from solar_host.instances.schemas import (
 from solar_host.instances.states import ACTIVE, InstanceStatus
 from solar_host.instances.store import InstanceStore, LoadResult, StoredInstance
 from solar_host.instances.supervisor import Supervisor
+from solar_host.logging_setup import Redactor
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
 from solar_host.statefiles import private_dir
@@ -703,6 +704,15 @@ class InstanceManager:
 
     # --- logs and telemetry ----------------------------------------------------------------------
 
+    def backend_redactor(self, instance_key: str | None) -> Redactor:
+        """For backend lines that leave the machine (GET and WS .../logs, control's log_batch,
+        start errors): a backend may print the keys it was given (`--api-key`). The values of
+        the host's secrets and the instance's key are replaced; the field patterns of the
+        host's own log are not applied (shapes=False: see Redactor)."""
+        s = self.settings
+        keys = (self.api_key(), instance_key, s.hf_token, s.harbor_password)
+        return Redactor((k for k in keys if k), shapes=False)
+
     def supervisor(self, instance_id: str) -> Supervisor:
         return self._sup(instance_id)
 
@@ -720,7 +730,9 @@ class InstanceManager:
             ts = file_mtime_iso(newest)
             cap = self.settings.log_line_max_bytes
             lines = await asyncio.to_thread(tail_lines, newest, n, cap)
-            return [{"seq": i, "timestamp": ts, "line": ln} for i, ln in enumerate(lines)]
+            # Read back as the ring holds them: with the secrets' values replaced.
+            redact = self.backend_redactor(sup.instance.config.api_key if sup else None)
+            return [{"seq": i, "timestamp": ts, "line": redact(ln)} for i, ln in enumerate(lines)]
         if sup is not None:
             return []
         raise InstanceNotFound(instance_id)

@@ -39,7 +39,7 @@ from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
-from solar_host.logging_setup import instance_id_var
+from solar_host.logging_setup import Redactor, instance_id_var
 from solar_host.model_store.roots import anchor_relative
 from solar_host.model_store.roots import check_config as check_model_roots
 
@@ -634,15 +634,19 @@ class Supervisor:
 
     # --- logs ------------------------------------------------------------------------------------
 
+    def _redactor(self) -> Redactor:
+        return self.m.backend_redactor(self.instance.config.api_key)
+
     def _follow(self, path: Path, offset: int, ready_check: Backend | None) -> None:
         bus = self.m.bus
         ring = self.ring
         telemetry = self.telemetry
         iid = self.id
+        redact = self._redactor()
 
         def on_lines(lines: list[str]) -> None:
             ts = datetime.now(UTC).isoformat()
-            entries = ring.append_many(lines, ts)
+            entries = ring.append_many([redact(line) for line in lines], ts)
             for e in entries:
                 bus.publish(LogLine(iid, e.seq, ts, e.line))
             telemetry.feed(lines)
@@ -1165,7 +1169,8 @@ class Supervisor:
             lines, size = await asyncio.to_thread(count_lines, log_path)
             tail = await asyncio.to_thread(tail_lines, log_path, self.m.settings.log_buffer_size)
             self.ring.rebase(rec.seq_base + lines - len(tail))
-            self.ring.append_many(tail, datetime.now(UTC).isoformat())
+            redact = self._redactor()
+            self.ring.append_many([redact(line) for line in tail], datetime.now(UTC).isoformat())
             self.telemetry.reset(backend.new_parser(config))
             self._follow(log_path, offset=size, ready_check=backend if loading else None)
             if self._ready is not None and any(backend.is_ready_line(ln) for ln in tail):
