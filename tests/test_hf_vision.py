@@ -478,3 +478,28 @@ async def test_an_encoded_image_body_is_refused_not_inflated() -> None:
     assert ei.value.code == "image_url_encoded" and "gzip, gzip" in ei.value.message
     assert peak < 16 << 20, peak  # nothing near the 64 MB it would inflate to
     assert asked == ["identity", "identity"]
+
+
+def test_sampling_options_shape_vision_text_as_they_do_causal_text(vlm, tiny_vision_model) -> None:  # noqa: F811
+    """Vision models decode through `generate`, where logit_bias, the penalties, top_k and
+    min_p were accepted and ignored; they now shape its text as the batched scheduler's."""
+    from transformers import AutoProcessor
+
+    s = vlm["vlm"]
+    tok = AutoProcessor.from_pretrained(tiny_vision_model).tokenizer
+    image = data_uri(png())
+
+    def text(**options: object) -> str:
+        r = post(s, "/v1/chat/completions", chat(image, max_tokens=4, **options))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    forced = 7
+    assert text(logit_bias={str(forced): 100}) == tok.decode([forced] * 4)
+    greedy = text()
+    assert text(temperature=1.5, top_k=1, seed=3) == greedy
+    assert text(temperature=1.5, min_p=1.0, seed=3) == greedy
+    banned = {str(t): -100 for t in tok.encode(greedy, add_special_tokens=False)}
+    assert text(logit_bias=banned) != greedy  # its tokens banned, the text changes
+    bad = post(s, "/v1/chat/completions", chat(image, logit_bias={"99999999": 5}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias", bad.text

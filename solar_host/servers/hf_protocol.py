@@ -265,10 +265,41 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     seed: int | None = None
+    # Logit shaping (hf_decode): each value here means "off".
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    def shapes_logits(self) -> bool:
+        """Whether the logits need more than temperature and top_p: a bias or a penalty,
+        which greedy rows apply too (before their argmax), as OpenAI and vLLM do."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
 
 
 # OpenAI options this server does not implement.
 UNSUPPORTED_OPTIONS = ("logprobs", "top_logprobs", "echo", "suffix")
+# OpenAI's own limits on logit_bias: entries, and the range of each bias.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+# A token id in a logit_bias key: digits only, at most this many (no vocabulary comes near
+# 10**10; the scheduler checks the model's own size). Bounded so int() never sees a huge key.
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+# Tool calling needs a template and an output parser this server does not have: asked for,
+# a 200 of plain text would read as a model that chose not to call. Their "off" values pass.
+TOOL_OPTIONS = {
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
+}
 
 
 def parse_gen_params(body: dict[str, Any]) -> GenParams:
@@ -297,6 +328,7 @@ def parse_gen_params(body: dict[str, Any]) -> GenParams:
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     include_usage = bool(opts and opts.get("include_usage") is True)
+    _refuse_tools_and_formats(body)
     temperature: float = _number(body, "temperature", 1.0, 0.0, 2.0)  # type: ignore[assignment]
     return GenParams(
         temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
@@ -307,7 +339,63 @@ def parse_gen_params(body: dict[str, Any]) -> GenParams:
         stream=_bool(body, "stream", False),
         include_usage=include_usage,
         seed=_int(body, "seed", 0, MAX_SEED),
+        top_k=_int(body, "top_k", 0) or 0,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),  # type: ignore[arg-type]
+        repetition_penalty=_repetition_penalty(body),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),  # type: ignore[arg-type]
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),  # type: ignore[arg-type]
+        logit_bias=_logit_bias(body),
     )
+
+
+def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
+    """A 400 for tool calling and structured output, which this server cannot honour."""
+    for name, off in TOOL_OPTIONS.items():
+        if body.get(name) not in off:
+            raise bad(f"'{name}' is not supported by this server (no tool calling)", name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        # json_object / json_schema need constrained decoding: a 200 of free text would pass
+        # for JSON the client then fails to parse.
+        raise bad(
+            '\'response_format\' is not supported by this server except {"type": "text"}',
+            "response_format",
+        )
+
+
+def _repetition_penalty(body: dict[str, Any]) -> float:
+    """HF's repetition_penalty: > 0 (1 is off). Bounded above so that a penalised logit stays
+    a finite number (it is multiplied by the penalty)."""
+    v = _number(body, "repetition_penalty", 1.0, 0.0, 100.0)
+    if v == 0.0:
+        raise bad("'repetition_penalty' must be greater than 0, got 0", "repetition_penalty")
+    return v  # type: ignore[return-value]
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """`logit_bias` as {token id: bias}; keys are token ids as strings (as OpenAI's are).
+    Whether each id is in the model's vocabulary is the scheduler's check (it knows the model)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' holds {len(v)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise bad(f"'logit_bias' key {key[:20]!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise bad(f"'logit_bias[{key}]' must be a number", "logit_bias")
+        if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise bad(
+                f"'logit_bias[{key}]' must be between {-LOGIT_BIAS_RANGE:g} and "
+                f"{LOGIT_BIAS_RANGE:g}, got {bias}",
+                "logit_bias",
+            )
+        out[int(key)] = float(bias)
+    return out
 
 
 def parse_prompt(body: dict[str, Any]) -> str:

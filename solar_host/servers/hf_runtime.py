@@ -22,7 +22,7 @@ import torch
 from jinja2 import TemplateError
 
 from solar_host.servers.detokenizer import Detokenizer
-from solar_host.servers.hf_decode import GenResult, config_parts
+from solar_host.servers.hf_decode import GenerateShaping, GenResult, config_parts, vocab_size
 from solar_host.servers.hf_images import to_rgb
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
 from solar_host.servers.prompt_encoder import PromptEncoder
@@ -473,7 +473,7 @@ class CausalEngine:
         cancel: threading.Event,
     ) -> GenResult:
         """Generate for one prompt; `emit` gets each new piece of text as soon as it is safe."""
-        from transformers import StoppingCriteriaList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         n_prompt = int(inputs["input_ids"].shape[1])
         room = self.limit - n_prompt
@@ -487,13 +487,25 @@ class CausalEngine:
             )
         max_new = min(params.max_tokens or room, room)
         scanner = StopScanner(params.stop)
-        kw: dict[str, Any] = {"do_sample": params.temperature > 0}
+        # The request's options, as the batched scheduler applies them, and nothing of the
+        # model's generation_config (a default top_k of 50 or repetition_penalty of 1.1 there
+        # would make this path's text differ from the scheduler's).
+        kw: dict[str, Any] = {"do_sample": params.temperature > 0, "repetition_penalty": 1.0}
         if kw["do_sample"]:
-            kw.update(temperature=params.temperature, top_p=params.top_p)
+            kw.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,  # 0: off
+                min_p=params.min_p or None,
+            )
             if params.seed is not None:
                 torch.manual_seed(params.seed)
         else:
             kw.update(temperature=None, top_p=None, top_k=None)
+        # logit_bias and the penalties (repetition_penalty too); a 400 for a bad token id.
+        shaping = GenerateShaping(
+            params, inputs["input_ids"][0].tolist(), vocab_size(self.model), str(self.device)
+        )
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         watch = _Watch(self.tok, n_prompt, scanner, emit, cancel)
         with torch.inference_mode():
@@ -502,6 +514,7 @@ class CausalEngine:
                 max_new_tokens=max_new,
                 pad_token_id=pad,
                 stopping_criteria=StoppingCriteriaList([watch]),
+                logits_processor=LogitsProcessorList([shaping]),
                 **kw,
             )
         watch.see(out)  # generate can end without a last call (max_new_tokens, EOS)

@@ -475,7 +475,7 @@ class HFServer:
 
     async def chat(self, body: dict[str, Any], rid: str, t0: float) -> Response:
         self.require("causal", "vision", what="/v1/chat/completions")
-        params = parse_gen_params(body)
+        params = self._gen_params(body)
         refuse_long_chat(body, self.engine.limit, self.engine.max_prompt_chars)
         if self.model_type == "vision":
             messages, urls = vision_messages(body, self.images.policy.max_images)
@@ -491,9 +491,17 @@ class HFServer:
 
     async def completions(self, body: dict[str, Any], rid: str, t0: float) -> Response:
         self.require("causal", what="/v1/completions")
-        params = parse_gen_params(body)
+        params = self._gen_params(body)
         ids = await self._prompt_ids(parse_prompt(body), chat=False)
         return await self._generate(ids, params, rid, t0, "/v1/completions", chat=False)
+
+    def _gen_params(self, body: dict[str, Any]) -> Any:
+        from solar_host.servers.hf_decode import check_logit_bias, vocab_size
+
+        params = parse_gen_params(body)
+        if params.logit_bias:
+            check_logit_bias(params, vocab_size(self.engine.model))
+        return params
 
     async def _prompt_ids(self, prompt: str, chat: bool) -> list[int]:
         """Token ids on the event loop (microseconds, keeping the GIL: see prompt_encoder), but
