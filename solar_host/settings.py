@@ -69,6 +69,14 @@ class Settings(BaseModel):
         "connection is closed. Without it, clients that never finish their headers (no key "
         "needed) could hold the host's descriptors until it accepts nothing.",
     )
+    http_body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a request's body has to arrive, from the request's start, before "
+        "the request is answered 408. Without it, a body that stopped coming held its request "
+        "(and what it held) for as long as the connection stayed open.",
+    )
     config_file: Path = Field(
         default=Path("config.json"), description="Where instance records are kept."
     )

@@ -26,6 +26,7 @@ from tests.fixtures.waiting import closed_within
 # The host's HTTP_HEADER_TIMEOUT_S here, and how long the test waits for it to close a
 # connection that never finishes its request headers.
 HEADER_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3  # HTTP_BODY_TIMEOUT_S
 HEADER_BOUND_S = 30.0
 
 
@@ -34,9 +35,12 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostProc]:
     tmp = tmp_path_factory.mktemp("review_api")
     (tmp / "models").mkdir()
     (tmp / "models" / "m.gguf").write_bytes(b"not a real gguf")
-    with HostProc(
-        tmp, env={"LOG_LEVEL": "INFO", "HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S)}
-    ) as h:
+    env = {
+        "LOG_LEVEL": "INFO",
+        "HTTP_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "HTTP_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+    }
+    with HostProc(tmp, env=env) as h:
         h.start()
         yield h
 
@@ -395,6 +399,30 @@ def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed(
         r = c.post("/instances", json={"config": config(chat_template=prompt)})
         assert r.status_code == 200, r.text
         assert c.delete(f"/instances/{r.json()['instance']['id']}").status_code == 200
+
+
+def test_a_body_that_stops_coming_is_answered_408(host: HostProc) -> None:
+    """A body announced and never all sent held its request (and whatever its handler held)
+    for as long as the client kept the connection open."""
+    port = int(host.url.rsplit(":", 1)[1])
+    body = json.dumps({"config": config()}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=HEADER_BOUND_S) as sock:
+        t0 = time.monotonic()
+        sock.sendall(
+            b"POST /instances HTTP/1.1\r\nHost: x\r\nX-API-Key: "
+            + host.api_key.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body[:-5]
+        )
+        answer = sock.recv(4096)
+        took = time.monotonic() - t0
+        while not answer.endswith(b"}") and (more := sock.recv(4096)):
+            answer += more
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:300]
+    assert b"did not arrive within 3 s" in answer, answer
+    assert BODY_TIMEOUT_S - 0.5 < took < HEADER_BOUND_S, took
+    with fresh(host) as c:  # nothing was created; the host takes the next request
+        assert all(i["config"]["alias"] != "review" for i in c.get("/instances").json())
 
 
 def test_host_is_still_healthy(host: HostProc) -> None:

@@ -34,7 +34,13 @@ def edge_layers(host: Host) -> list[tuple[type, dict[str, Any]]]:
         # Inside auth: GET /instances needs the key like any route.
         (HotPathMiddleware, {"routes": hot_routes(host)}),
         (APIKeyMiddleware, {"get_key": host.key, "is_public": public_paths(host)}),
-        (BodyLimitMiddleware, {"max_bytes": host.settings.max_request_body_bytes}),
+        (
+            BodyLimitMiddleware,
+            {
+                "max_bytes": host.settings.max_request_body_bytes,
+                "timeout_s": host.settings.http_body_timeout_s,
+            },
+        ),
         # Outermost, so that refused (401/413) requests carry an id too.
         (RequestIdMiddleware, {}),
     ]

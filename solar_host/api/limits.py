@@ -1,13 +1,20 @@
-"""Refuse oversized request bodies with 413 before anything parses them: past `max_bytes`, or
-holding more JSON values than any request of this API needs.
+"""Bound request bodies before anything parses them: past `max_bytes`, or holding more JSON
+values than any request of this API needs, they are a 413; not all there within `timeout_s` of
+the request's start, a 408.
 
 Every body the host takes is JSON, parsed whole (json.loads, then pydantic), on the event loop.
 Bytes alone do not bound that: 8 MiB of `{},` is 2.8 million objects, which took 220 MB and held
 the loop for 1.3 s per request. The values are counted as the body arrives (in C, a chunk at a
 time), so such a body is refused before it is buffered, let alone parsed.
+
+Nor does anything else bound the time a body may take: a request whose body stops coming (a
+client gone quiet, or one sending a byte a minute) held its handler, and whatever that handler
+held (an instance's lock, a pull's slot), for as long as the connection stayed open.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,11 +32,22 @@ def json_values_at_least(chunk: bytes) -> int:
     return chunk.count(b",") + chunk.count(b"[") + chunk.count(b"{")
 
 
+# How long a request's body may take to arrive, from the request's start (HTTP_BODY_TIMEOUT_S).
+BODY_TIMEOUT_S = 30.0
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int, max_values: int = MAX_JSON_VALUES):
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_values: int = MAX_JSON_VALUES,
+        timeout_s: float = BODY_TIMEOUT_S,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.max_values = max_values
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -42,16 +60,31 @@ class BodyLimitMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await _reject(send, self._too_many_bytes())
+                    await _reject(send, 413, self._too_many_bytes())
                     return
         seen = 0
         values = 0
         sent_response = False
         refusal: str | None = None
+        status = 413
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal seen, values, refusal
-            message = await receive()
+            nonlocal seen, values, refusal, status, body_done
+            if body_done:
+                # What comes after the body (a disconnect a streaming answer waits for) is
+                # not bounded here.
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                refusal = f"The request body did not arrive within {self.timeout_s:g} s"
+                status = 408
+                raise _Refused from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
             if message["type"] == "http.request":
                 body = message.get("body", b"")
                 seen += len(body)
@@ -61,17 +94,17 @@ class BodyLimitMiddleware:
                 elif values > self.max_values:
                     refusal = f"Request body holds more than {self.max_values} JSON values"
                 if refusal is not None:
-                    raise _TooLarge
+                    raise _Refused
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal sent_response
             if refusal is not None:
-                # The app caught the overflow while parsing (FastAPI turns any body error into
-                # a 400): answer the 413 it should be, once, and drop the app's own reply.
+                # The app caught the refusal while reading (FastAPI turns any body error into
+                # a 400): answer the 413 or 408 it is, once, and drop the app's own reply.
                 if not sent_response:
                     sent_response = True
-                    await _reject(send, refusal)
+                    await _reject(send, status, refusal)
                 return
             if message["type"] == "http.response.start":
                 sent_response = True
@@ -79,17 +112,17 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except _Refused:
             if not sent_response:
-                await _reject(send, refusal or self._too_many_bytes())
+                await _reject(send, status, refusal or self._too_many_bytes())
 
     def _too_many_bytes(self) -> str:
         return f"Request body larger than {self.max_bytes} bytes"
 
 
-class _TooLarge(Exception):
-    pass
+class _Refused(Exception):
+    """The body was refused (413 or 408): raised out of the app's receive."""
 
 
-async def _reject(send: Send, message: str) -> None:
-    await send_json(send, 413, detail(message))
+async def _reject(send: Send, status: int, message: str) -> None:
+    await send_json(send, status, detail(message))
