@@ -205,9 +205,10 @@ def test_sglang_takes_its_static_fraction(tmp_path: Path) -> None:
 def test_header_reader_agrees_with_gguf_reader(gguf_path: Path) -> None:
     import gguf
 
+    from solar_host.estimates.gguf import estimate_reads
     from solar_host.estimates.gguf_header import read_header
 
-    meta, tensors = read_header(str(gguf_path))
+    meta, tensors = read_header(str(gguf_path), estimate_reads)
     reader = gguf.GGUFReader(str(gguf_path), "r")
     assert {t.name: t.n_bytes for t in tensors} == {t.name: int(t.n_bytes) for t in reader.tensors}
     assert set(meta) == {k for k in reader.fields if not k.startswith("GGUF.")}

@@ -2,7 +2,8 @@
 
 How llama-server lays memory out (checked against its own log lines, tests/test_estimates_real):
 
-- weights: every tensor's bytes. `token_embd` stays on the CPU; the last `n_gpu_layers`
+- weights: every tensor's bytes, of every shard of a split model (`<prefix>-00001-of-0000N.gguf`,
+  the others found as llama.cpp finds them). `token_embd` stays on the CPU; the last `n_gpu_layers`
   repeating blocks go to the GPUs, split by `tensor_split` (default: by free memory, as
   llama.cpp does) in device order; the output layer goes with block n_layer when
   n_gpu_layers > n_layer. `split_mode: none` puts every offloaded block on `main_gpu`; `row`
@@ -33,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from solar_host.estimates.gguf_header import LongArray, read_header
+from solar_host.estimates.gguf_header import LongArray, TensorInfo, read_header
 from solar_host.estimates.model import CPU, Device, DeviceEstimate, Estimate, EstimateError
 
 UBATCH = 512
@@ -55,6 +56,7 @@ CACHE_TYPES = {
     "q5_1": (32, 24),
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+FileKey = tuple[str, int, int]  # (real path, size, mtime_ns): a file as the caches know it
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,10 @@ class GgufFacts:
     block_bytes: tuple[int, ...]  # tensor bytes of each repeating block
     embd_bytes: int  # token_embd (the input layer, always on the CPU)
     output_bytes: int  # output, output_norm and other tensors outside the blocks
-    file_bytes: int
+    file_bytes: int  # all shards of a split model together
+    # (path, size, mtime) of the shards after the first: the cache entry is stale when one
+    # of them changes, not only when the first file does.
+    shard_keys: tuple[FileKey, ...] = ()
 
     @property
     def tensor_bytes(self) -> int:
@@ -115,14 +120,85 @@ def _per_layer(meta: dict[str, Any], key: str, n_layer: int, default: int) -> li
     return [_count(meta, key)] * n_layer
 
 
-def read_facts(path: str) -> GgufFacts:
-    """Parse the header of a GGUF file. Raises ValueError when it is not a readable GGUF, or
-    its metadata is not what llama.cpp could load (negative or non-integer sizes, an
-    implausible layer count)."""
+# The strings and arrays an estimate reads (every number is read anyway): the architecture and
+# the per-layer arrays of `<arch>.`; the vocabulary is counted from its length alone.
+_ARCH_ARRAYS = frozenset({"feed_forward_length", "attention.head_count", "attention.head_count_kv"})
+
+
+def estimate_reads(key: str) -> bool:
+    return key == "general.architecture" or key.partition(".")[2] in _ARCH_ARRAYS
+
+
+def _read(path: str) -> tuple[dict[str, Any], list[TensorInfo]]:
     try:
-        meta, tensors = read_header(path)
+        return read_header(path, estimate_reads)
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read GGUF header of {path}: {err}") from None
+
+
+def _file_key(path: str) -> FileKey:
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+def shard_paths(path: str, meta: dict[str, Any]) -> list[str]:
+    """The other files of a split model (gguf-split's `<prefix>-00001-of-0000N.gguf`), named as
+    llama.cpp names them (llama_split_prefix, llama_split_path); [] for a single file. Raises
+    ValueError where llama.cpp refuses to load: not the first shard, a name off the rule."""
+    n_split = _count(meta, "split.count")
+    if n_split <= 1:
+        return []
+    split_no = _count(meta, "split.no")
+    if split_no != 0:
+        raise ValueError(
+            f"{path} is shard {split_no + 1} of {n_split}: llama.cpp loads a split model "
+            "from its first shard"
+        )
+    postfix = f"-00001-of-{n_split:05d}.gguf"
+    if not path.endswith(postfix) or len(path) == len(postfix):
+        raise ValueError(
+            f"{path} is the first of {n_split} shards but its name does not end in {postfix}: "
+            "llama.cpp cannot find the others"
+        )
+    prefix = path[: -len(postfix)]
+    return [f"{prefix}-{i + 1:05d}-of-{n_split:05d}.gguf" for i in range(1, n_split)]
+
+
+def _shard_tensors(shard: str, index: int, n_split: int) -> list[TensorInfo]:
+    """The tensor table of shard `index` (0-based), checked as llama.cpp checks it."""
+    meta, tensors = _read(shard)
+    if meta.get("split.no") != index:
+        raise ValueError(
+            f"{shard}: split.no is {_show(meta.get('split.no'))}, not {index} "
+            f"(shard {index + 1} of {n_split})"
+        )
+    return tensors
+
+
+def _split_tensors(path: str, meta: dict[str, Any]) -> tuple[list[TensorInfo], list[FileKey]]:
+    """The tensors of every other shard, and their (path, size, mtime) keys for the cache."""
+    shards = shard_paths(path, meta)
+    tensors: list[TensorInfo] = []
+    keys = []
+    for i, shard in enumerate(shards, start=1):
+        try:
+            keys.append(_file_key(shard))
+        except OSError as err:
+            raise ValueError(
+                f"split model {path}: shard {i + 1} of {len(shards) + 1} ({shard}) is missing or "
+                f"unreadable: {err.strerror or err}"
+            ) from None
+        tensors += _shard_tensors(shard, i, len(shards) + 1)
+    return tensors, keys
+
+
+def read_facts(path: str) -> GgufFacts:
+    """Parse the header of a GGUF file (and of the other shards of a split model). Raises
+    ValueError when it is not a readable GGUF, a shard is missing, or its metadata is not what
+    llama.cpp could load (negative or non-integer sizes, an implausible layer count)."""
+    meta, tensors = _read(path)
+    more, shard_keys = _split_tensors(path, meta)
+    tensors += more
 
     arch = meta.get("general.architecture") or "llama"
     if not isinstance(arch, str):
@@ -136,6 +212,29 @@ def read_facts(path: str) -> GgufFacts:
     n_embd = _count(meta, f"{arch}.embedding_length")
     ff_key = f"{arch}.feed_forward_length"
     n_ff = max(_per_layer(meta, ff_key, max(n_layer, 1), 4 * n_embd)) if n_embd else 0
+    blocks, embd, other = _tensor_parts(tensors, n_layer)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_tokens = tokens.length if isinstance(tokens, LongArray) else 0
+    return GgufFacts(
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_vocab=_count(meta, f"{arch}.vocab_size") or n_tokens,
+        n_ctx_train=_count(meta, f"{arch}.context_length"),
+        kv_per_layer=_kv_per_layer(meta, arch, n_layer, n_embd),
+        block_bytes=tuple(blocks),
+        embd_bytes=embd,
+        output_bytes=other,
+        file_bytes=os.path.getsize(path) + sum(k[1] for k in shard_keys),
+        shard_keys=tuple(shard_keys),
+    )
+
+
+def _kv_per_layer(
+    meta: dict[str, Any], arch: str, n_layer: int, n_embd: int
+) -> tuple[tuple[int, int], ...]:
+    """(n_embd_k_gqa, n_embd_v_gqa) of each layer."""
     n_head = _per_layer(meta, f"{arch}.attention.head_count", n_layer, 0)
     # Absent: one KV head per head (MHA). A 0 in a per-layer array is a layer without
     # attention (the recurrent layers of a hybrid model): it has no KV cache.
@@ -143,19 +242,15 @@ def read_facts(path: str) -> GgufFacts:
     n_head_kv = n_head if meta.get(kv_key) is None else _per_layer(meta, kv_key, n_layer, 0)
     key_length = _count(meta, f"{arch}.attention.key_length")
     value_length = _count(meta, f"{arch}.attention.value_length")
-    kv_per_layer = []
-    for i in range(n_layer):
-        h = n_head[i]
-        hkv = n_head_kv[i]
+    out = []
+    for h, hkv in zip(n_head, n_head_kv, strict=True):
         head_dim = n_embd // h if h else 0
-        k_len = key_length or head_dim
-        v_len = value_length or head_dim
-        kv_per_layer.append((k_len * hkv, v_len * hkv))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    n_tokens = tokens.length if isinstance(tokens, LongArray) else 0
-    if isinstance(tokens, list):
-        n_tokens = len(tokens)
-    n_vocab = _count(meta, f"{arch}.vocab_size") or n_tokens
+        out.append(((key_length or head_dim) * hkv, (value_length or head_dim) * hkv))
+    return tuple(out)
+
+
+def _tensor_parts(tensors: list[TensorInfo], n_layer: int) -> tuple[list[int], int, int]:
+    """(bytes of each repeating block, token_embd bytes, bytes of every other tensor)."""
     blocks = [0] * n_layer
     embd = other = 0
     for t in tensors:
@@ -167,33 +262,28 @@ def read_facts(path: str) -> GgufFacts:
             embd += size
         else:
             other += size
-    return GgufFacts(
-        arch=arch,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        n_ctx_train=_count(meta, f"{arch}.context_length"),
-        kv_per_layer=tuple(kv_per_layer),
-        block_bytes=tuple(blocks),
-        embd_bytes=embd,
-        output_bytes=other,
-        file_bytes=os.path.getsize(path),
-    )
+    return blocks, embd, other
 
 
-_cache: dict[tuple[str, int, int], GgufFacts] = {}
+_cache: dict[FileKey, GgufFacts] = {}
 _cache_lock = threading.Lock()
 
 
+def _unchanged(keys: tuple[FileKey, ...]) -> bool:
+    """Whether every file behind `keys` still has its size and mtime."""
+    try:
+        return all(_file_key(k[0]) == k for k in keys)
+    except OSError:
+        return False
+
+
 def facts_of(path: str) -> GgufFacts:
-    """`read_facts`, cached by (path, size, mtime): a big vocabulary takes a while to parse.
-    Raises OSError or ValueError."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    """`read_facts`, cached by (path, size, mtime) of every file of the model (all shards of a
+    split one): a big vocabulary takes a while to parse. Raises OSError or ValueError."""
+    key = _file_key(path)
     with _cache_lock:
         hit = _cache.get(key)
-    if hit is not None:
+    if hit is not None and _unchanged(hit.shard_keys):
         return hit
     try:
         facts = read_facts(path)

@@ -1,5 +1,6 @@
-"""HuggingFace estimates: safetensors weights at the configured `dtype`, plus an activation
-allowance at `max_length`.
+"""HuggingFace estimates: safetensors weights at the dtype the server loads them in (`dtype`, or
+for `auto` float16 on a GPU and float32 on the CPU, as servers/hf_runtime.pick_dtype), plus an
+activation allowance at `max_length`.
 
 The allowance (documented, not measured): for causal and vision models, the KV cache of one
 sequence of `max_length` tokens (2 x layers x kv_heads x head_dim x max_length x dtype bytes;
@@ -52,19 +53,31 @@ def config_count(cfg: dict[str, Any], *keys: str, default: int = 0) -> int:
     return default
 
 
-def dtype_bytes(config: Any, stored: dict[str, Any]) -> tuple[str, int]:
-    dtype = config.dtype
-    if dtype == "auto":
-        td = str(stored.get("torch_dtype") or stored.get("dtype") or "float32")
-        dtype = td if td in TARGET_BYTES else "float32"
-    return dtype, TARGET_BYTES[dtype]
+def device_of(config: Any, gpus: list[Device]) -> str:
+    """Where the server puts the model: the first GPU for `cuda` and `auto` (hf_runtime's
+    pick_device prefers CUDA), else the CPU (`mps` too: its memory is the system's)."""
+    if config.device in ("cuda", "auto") and gpus:
+        return gpus[0].name
+    if config.device == "cuda":
+        raise EstimateError("device", "device 'cuda' but this host has no NVIDIA GPU")
+    return CPU
+
+
+def load_dtype(config: Any, device: str) -> str:
+    """The dtype the server loads floating weights in: servers/hf_runtime.pick_dtype's rule.
+    An explicit `dtype` wins; `auto` is float16 on a GPU (CUDA or MPS) and float32 on the CPU,
+    whatever config.json's torch_dtype says (a bf16 model on the CPU takes twice its file)."""
+    if config.dtype != "auto":
+        return str(config.dtype)
+    return "float16" if device != CPU or config.device == "mps" else "float32"
 
 
 def estimate_huggingface(config: Any, gpus: list[Device]) -> Estimate:
     facts_dir = model_dir_of(config)
+    device = device_of(config, gpus)
+    dtype = load_dtype(config, device)
+    nbytes = TARGET_BYTES[dtype]
     try:
-        stored = read_model(facts_dir, "auto")
-        dtype, nbytes = dtype_bytes(config, stored.config)
         facts = read_model(facts_dir, dtype)
     except (OSError, ValueError) as err:
         raise EstimateError("model_id", str(err)) from None
@@ -79,11 +92,6 @@ def estimate_huggingface(config: Any, gpus: list[Device]) -> Estimate:
         activations = 2 * layers * kv_heads * head_dim * config.max_length * nbytes
     else:
         activations = ENCODER_FLOATS_PER_UNIT * 4 * hidden * config.max_length * batch
-    device = CPU
-    if config.device in ("cuda", "auto") and gpus:
-        device = gpus[0].name
-    elif config.device == "cuda":
-        raise EstimateError("device", "device 'cuda' but this host has no NVIDIA GPU")
     dev = DeviceEstimate(
         device,
         weights_bytes=facts.weight_bytes,
