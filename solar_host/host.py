@@ -227,6 +227,8 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         enabled=lambda: settings.fit_check,
         reserved=resources.reserved_bytes,
         roots=lambda: settings.model_root_dirs,
+        gpu_host=resources.gpu_host,
+        instances=manager.list,
     )
     resources.loading = manager.capacity.holds
     # The store answers "which files are in use" and "where did a pull put this source".

@@ -15,6 +15,7 @@ generic writer validates and escapes every sample and costs ~15x more with 100 i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -123,6 +124,9 @@ class HostMetrics:
         # idle host 1.3 MB and 30 ms); start durations observed before then wait here.
         self._prom: tuple[Any, Any, Any] | None = None
         self._start_obs: list[tuple[str, str, float]] = []
+        # render() runs in a worker thread (GET /metrics): the lazy set-up and the bus handler
+        # that feeds it must not both act on _start_obs at once.
+        self._prom_lock = threading.Lock()
 
         self.log_lines: dict[str, int] = {}
         self.pulls: dict[str, int] = {"completed": 0, "failed": 0}
@@ -141,6 +145,10 @@ class HostMetrics:
 
     def _prometheus(self) -> tuple[Any, Any, Any]:
         """(registry of everything, registry of the histograms, the start histogram)."""
+        with self._prom_lock:
+            return self._prom or self._set_up_prometheus()
+
+    def _set_up_prometheus(self) -> tuple[Any, Any, Any]:
         if self._prom is None:
             from prometheus_client import CollectorRegistry, Histogram
 
@@ -193,9 +201,11 @@ class HostMetrics:
         obs = [(backend, "ready", event.to_ready_s)]
         if event.to_first_log_s is not None:
             obs.append((backend, "first_log", event.to_first_log_s))
-        if self._prom is None and len(self._start_obs) < 10_000:
-            self._start_obs.extend(obs)
-            return
+        with self._prom_lock:
+            if self._prom is None:
+                if len(self._start_obs) < 10_000:
+                    self._start_obs.extend(obs)
+                return
         hist = self._prometheus()[2]
         for b, phase, seconds in obs:
             hist.labels(b, phase).observe(seconds)

@@ -66,6 +66,8 @@ async def estimate_config(request: Request, body: EstimateRequest) -> Response:
         doc = await asyncio.to_thread(_gate(request).estimate_view, "", config)
     except EstimateError as err:
         return _unprocessable(err, ["body", "config"])
+    except InstanceError as err:  # GpusUnreadable: the GPUs of this GPU host cannot be read
+        return JSONResponse(status_code=err.status, content=err.body())
     return JSONResponse(doc)
 
 
@@ -83,5 +85,7 @@ async def instance_estimate(request: Request, instance_id: str) -> Response:
         )
     except EstimateError as err:
         return _unprocessable(err, ["config"])
+    except InstanceError as err:  # GpusUnreadable: the GPUs of this GPU host cannot be read
+        return JSONResponse(status_code=err.status, content=err.body())
     doc["instance_id"] = instance_id
     return JSONResponse(doc)

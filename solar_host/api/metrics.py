@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
@@ -20,4 +22,7 @@ async def metrics(request: Request) -> Response:
         raise HTTPException(503, "Metrics are not enabled on this host")
     from solar_host.metrics import CONTENT_TYPE
 
-    return Response(service.render(), media_type=CONTENT_TYPE)
+    # Rendering reads the probe (NVML, psutil per backend process): off the event loop, which
+    # a hung NVML would otherwise stop for every request.
+    body = await asyncio.to_thread(service.render)
+    return Response(body, media_type=CONTENT_TYPE)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -35,7 +36,8 @@ def _service(request: Request) -> Any:
 @router.get("/resources", response_model=ResourceSnapshot)
 async def get_resources(request: Request) -> dict[str, Any]:
     """Capacity per dimension and every reservation (the same body as host_health.resources)."""
-    return _service(request).snapshot()
+    # The snapshot reads the probe (NVML hangs when a GPU falls off the bus): off the loop.
+    return await asyncio.to_thread(_service(request).snapshot)
 
 
 @router.post(

@@ -8,14 +8,25 @@ holds the estimate until the start ends or refuses with InsufficientMemory (409)
 hold happen under one lock with no await between them, so concurrent starts cannot both count
 the same free bytes. Once the start ends the hold goes: a running backend's memory is in the
 probe's own figures from then on.
+
+The probe is read in a worker thread before the lock (NVML hangs when a GPU falls off the bus;
+the event loop must not hang with it); under the lock there is arithmetic only. On a GPU host a
+GPU read that fails refuses the start (503, GpusUnreadable): checking it against RAM alone
+would place it on the CPU with no GPU pinned.
+
+A reservation control made for an intent (job_id "intent:<intent_id>", control-contract 2.5)
+is the room for that intent's instance: its own start does not count it, and while an
+instance of the intent starts or runs the reservation counts only what the instance does not
+already take (see `_covered`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +44,30 @@ from solar_host.model_store.roots import (
 from solar_host.resources.probes import GB, SystemProbe
 
 log = logging.getLogger(__name__)
+
+
+def intent_job_id(intent_id: str) -> str:
+    """The job_id control gives the reservation of an intent (control-contract 2.5)."""
+    return f"intent:{intent_id}"
+
+
+class GpusUnreadable(InstanceConflict):
+    """A GPU host whose GPUs cannot be read now: the start cannot be checked or placed. 503
+    (try again), not 409; an InstanceConflict so that a refused crash restart is handled as
+    a fit-check refusal is."""
+
+    status = 503
+
+    def __init__(self, instance_id: str, error: Exception):
+        self.instance_id = instance_id
+        super().__init__(
+            f"Cannot read the GPUs: {error}. The start could not be checked against them and "
+            "was not made; try again shortly (or set skip_fit_check: true in the config to "
+            "start anyway)"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"detail": self.detail, "instance_id": self.instance_id}
 
 
 class InsufficientMemory(InstanceConflict):
@@ -137,15 +172,24 @@ class CapacityGate:
         probe: SystemProbe,
         *,
         enabled: Callable[[], bool] = lambda: True,
-        reserved: Callable[[], dict[str, int]] | None = None,
+        reserved: Callable[..., dict[str, int]] | None = None,
         roots: Callable[[], Sequence[Path]] | None = None,
+        gpu_host: Callable[[], bool | None] | None = None,
+        instances: Callable[[], Iterable[Any]] | None = None,
     ):
         self.probe = probe
         self.enabled = enabled
+        # Whether the host has NVIDIA GPUs (ResourceService.gpu_host: sticky once decided).
+        # None: ask the probe (a gate built without it, unit tests).
+        self.gpu_host = gpu_host
+        # The host's instances (their status and intent_id): which reservations their memory
+        # already covers. None: no instance covers any (unit tests).
+        self.instances = instances
         # The model roots (MODELS_DIR first): every file an estimate opens is judged against
         # them first (_confined). None: a gate built without them (unit tests).
         self.roots = roots
-        # Bytes kept by the reservation ledger per dimension ({"gpu": n, "cpu": n}).
+        # Bytes kept by the reservation ledger per dimension ({"gpu": n, "cpu": n}); called
+        # with `covered` (job_id -> {"gpu": n, "cpu": n}) when instances cover some of it.
         self.reserved = reserved
         self._lock = threading.Lock()
         self._holds: dict[str, Placement] = {}
@@ -169,8 +213,10 @@ class CapacityGate:
         return copy
 
     # --- what is free ----------------------------------------------------------------------------
-    def devices(self) -> list[Device]:
-        """The CPU (system RAM) and every GPU, with what the probe reports free."""
+    def devices(self, instance_id: str = "") -> list[Device]:
+        """The CPU (system RAM) and every GPU, with what the probe reports free. Blocking (NVML):
+        call it off the event loop. Raises GpusUnreadable when the GPUs of a GPU host cannot
+        be read: leaving them out would check and place the start as if on a CPU host."""
         out = []
         try:
             ram = self.probe.ram()
@@ -178,18 +224,35 @@ class CapacityGate:
         except Exception as err:
             log.warning("RAM probe failed: %s", err)
         try:
-            for g in self.probe.gpus():
-                out.append(
-                    Device(gpu_name(g.index), g.index, g.total_bytes, g.total_bytes - g.used_bytes)
-                )
+            gpus = self.probe.gpus()
         except Exception as err:
-            log.warning("GPU probe failed: %s", err)
+            if self._is_gpu_host() is not False:
+                log.warning("GPU probe failed, start of %s refused: %s", instance_id, err)
+                raise GpusUnreadable(instance_id, err) from None
+            log.warning("GPU probe failed on a host without GPUs: %s", err)
+            gpus = []
+        for g in gpus:
+            out.append(
+                Device(gpu_name(g.index), g.index, g.total_bytes, g.total_bytes - g.used_bytes)
+            )
         return out
 
-    def held(self, exclude: str | None = None) -> dict[str, int]:
-        """Bytes per device held by starts in progress."""
+    def _is_gpu_host(self) -> bool | None:
+        if self.gpu_host is not None:
+            return self.gpu_host()
+        from solar_host.resources.service import probe_gpu_host
+
+        return probe_gpu_host(self.probe)
+
+    def held(
+        self, exclude: str | None = None, earlier: dict[str, Placement] | None = None
+    ) -> dict[str, int]:
+        """Bytes per device held by starts in progress. `earlier`: the holds when the probe was
+        read, counted too: a start that finished loading since has dropped its hold, but the
+        figures read before may not show its memory yet."""
+        holds = {**(earlier or {}), **self._holds}
         out: dict[str, int] = {}
-        for iid, p in list(self._holds.items()):
+        for iid, p in holds.items():
             if iid == exclude:
                 continue
             for dev, n in p.needs.items():
@@ -211,10 +274,12 @@ class CapacityGate:
         decides where it puts its memory), so reserved GPU bytes come off the GPUs' total
         free memory, and no GPU can offer more than that total. Spreading them evenly and
         clamping each GPU at 0 would lose the share charged to a full GPU."""
-        return self._budget(devices, self._free_less_holds(devices, exclude))
+        return self._budget(devices, self._free_less_holds(devices, exclude), exclude)
 
-    def _budget(self, devices: list[Device], own: dict[str, int]) -> tuple[dict[str, int], int]:
-        reserved = self.reserved() if self.reserved is not None else {}
+    def _budget(
+        self, devices: list[Device], own: dict[str, int], instance_id: str | None = None
+    ) -> tuple[dict[str, int], int]:
+        reserved = self._reserved(instance_id)
         gpu_pool = sum(own[d.name] for d in devices if d.is_gpu) - reserved.get("gpu", 0)
         gpu_pool = max(gpu_pool, 0)
         out: dict[str, int] = {}
@@ -225,12 +290,66 @@ class CapacityGate:
                 out[d.name] = max(own[d.name] - reserved.get("cpu", 0), 0)
         return out, gpu_pool
 
+    def _reserved(self, instance_id: str | None) -> dict[str, int]:
+        """What reservations keep for the start (or estimate) of `instance_id`."""
+        if self.reserved is None:
+            return {}
+        covered = self._covered(instance_id)
+        return self.reserved(covered) if covered else self.reserved()
+
+    def _covered(self, instance_id: str | None) -> dict[str, dict[str, float]]:
+        """job_id -> bytes ({"gpu", "cpu"}) of intent reservations that instances take already.
+
+        Control reserves an intent's memory, then starts its instance, and releases the
+        reservation once it sees the instance running (control-contract 2.5). So:
+        - the start of `instance_id` does not count its own intent's reservation at all: that
+          is the very room it was made for, and the start's full estimate is checked anyway
+          (counting both refused any start without twice its need free);
+        - an instance of an intent that starts (its hold) or runs (in the probe's figures;
+          its estimate stands for what it takes) covers that much of the intent's
+          reservation for every other start: the pair counts max(reservation, instance),
+          never the sum. Stopped instances cover nothing: the reservation keeps its room."""
+        if self.instances is None:
+            return {}
+        out: dict[str, dict[str, float]] = {}
+        for inst in list(self.instances()):
+            intent = getattr(inst, "intent_id", None)
+            if not intent:
+                continue
+            job = intent_job_id(intent)
+            if inst.id == instance_id:
+                out[job] = {"gpu": math.inf, "cpu": math.inf}
+                continue
+            p = self._taking(inst)
+            if p is None:
+                continue
+            by_kind = out.setdefault(job, {"gpu": 0.0, "cpu": 0.0})
+            for dev, n in p.needs.items():
+                by_kind["cpu" if dev == CPU else "gpu"] += n
+        return out
+
+    def _taking(self, inst: Any) -> Placement | None:
+        """The placement whose memory `inst` takes now: its hold while it loads, its last
+        placement while it runs. None otherwise, also for a start not yet admitted (its last
+        placement is an old one) and for one adopted running at boot (no estimate)."""
+        status = str(getattr(inst, "status", ""))
+        if status == "starting":
+            return self._holds.get(inst.id)
+        if status == "running":
+            return self.placements.get(inst.id)
+        return None
+
     def available(self, devices: list[Device], exclude: str | None = None) -> dict[str, int]:
         """Bytes available per device: free, less loading holds and reservations."""
         return self.budget(devices, exclude)[0]
 
-    def _free_less_holds(self, devices: list[Device], exclude: str | None) -> dict[str, int]:
-        held = self.held(exclude)
+    def _free_less_holds(
+        self,
+        devices: list[Device],
+        exclude: str | None,
+        earlier: dict[str, Placement] | None = None,
+    ) -> dict[str, int]:
+        held = self.held(exclude, earlier)
         return {d.name: max(d.free_bytes - held.get(d.name, 0), 0) for d in devices}
 
     # --- estimate and placement ------------------------------------------------------------------
@@ -238,14 +357,26 @@ class CapacityGate:
         self, instance_id: str, config: Any, exclude: str | None = None
     ) -> tuple[Placement, dict[str, int], Shortfall | None]:
         """The best placement, what is available, and the first shortfall of it (or None).
+        Reads the probe (blocking): call it off the event loop. Raises EstimateError,
+        GpusUnreadable."""
+        return self._place_on(instance_id, config, self.devices(instance_id), exclude)
 
-        Pure arithmetic once the model headers are cached. A device set the config cannot be
-        estimated on (main_gpu or tensor_split naming a GPU outside it) is skipped; raises
-        the first candidate's EstimateError only when no set can be estimated.
+    def _place_on(
+        self,
+        instance_id: str,
+        config: Any,
+        devices: list[Device],
+        exclude: str | None = None,
+        earlier: dict[str, Placement] | None = None,
+    ) -> tuple[Placement, dict[str, int], Shortfall | None]:
+        """`place` on devices already read: arithmetic only once the model headers are cached.
+
+        A device set the config cannot be estimated on (main_gpu or tensor_split naming a GPU
+        outside it) is skipped; raises the first candidate's EstimateError only when no set
+        can be estimated.
         """
-        devices = self.devices()
-        own = self._free_less_holds(devices, exclude or instance_id)
-        avail, gpu_pool = self._budget(devices, own)
+        own = self._free_less_holds(devices, exclude or instance_id, earlier)
+        avail, gpu_pool = self._budget(devices, own, instance_id)
         # Order and llama.cpp's default split follow each GPU's own free memory; the pool
         # cap only decides whether it fits.
         gpus = [
@@ -271,23 +402,39 @@ class CapacityGate:
             raise error
         return first[0], avail, first[1]
 
+    def _read_for(
+        self, instance_id: str, config: Any
+    ) -> tuple[Any, list[Device], dict[str, Placement]]:
+        """The blocking half of a start's check (worker thread): the config confined, the
+        probe read (with the holds at that moment), and one placement on them so that the
+        model headers are cached and a config that cannot be estimated says so now."""
+        config = self._confined(config)
+        earlier = dict(self._holds)
+        devices = self.devices(instance_id)
+        self._place_on(instance_id, config, devices, earlier=earlier)
+        return config, devices, earlier
+
     async def admit(self, instance_id: str, config: Any) -> Placement | None:
         """Place and check a start; hold its estimate until `release`. Raises
-        InsufficientMemory; None when no estimate can be made (the start goes on unchecked)."""
+        InsufficientMemory, GpusUnreadable; None when no estimate can be made (the start goes
+        on unchecked)."""
+        skip = bool(getattr(config, "skip_fit_check", False)) or not self.enabled()
         try:
-            # Header reads (cached per file) off the loop; the check below is arithmetic only.
-            config = await asyncio.to_thread(self._confined, config)
-            await asyncio.to_thread(self.place, instance_id, config)
+            config, devices, earlier = await asyncio.to_thread(self._read_for, instance_id, config)
         except EstimateError as err:
             log.warning("no memory estimate for %s, starting unchecked: %s", instance_id, err)
             return None
-        with self._lock:
+        except GpusUnreadable as err:
+            if not skip:
+                raise
+            log.warning("start of %s unchecked (fit check off): %s", instance_id, err.detail)
+            return None
+        with self._lock:  # arithmetic only: the probe was read above
             try:
-                placement, _, short = self.place(instance_id, config)
+                placement, _, short = self._place_on(instance_id, config, devices, earlier=earlier)
             except EstimateError as err:
                 log.warning("no memory estimate for %s, starting unchecked: %s", instance_id, err)
                 return None
-            skip = bool(getattr(config, "skip_fit_check", False)) or not self.enabled()
             if short is not None and not skip:
                 dev, needed, available, why = short
                 refusal = InsufficientMemory(instance_id, dev, needed, available, why)
@@ -310,7 +457,7 @@ class CapacityGate:
         about to take counted nowhere and other starts were admitted onto it."""
         try:
             placement = await asyncio.to_thread(self._placement_on, instance_id, config, placed)
-        except EstimateError as err:
+        except (EstimateError, GpusUnreadable) as err:
             log.warning("no memory estimate for adopted %s, nothing held: %s", instance_id, err)
             return
         with self._lock:
@@ -319,7 +466,7 @@ class CapacityGate:
 
     def _placement_on(self, instance_id: str, config: Any, placed: list[str] | None) -> Placement:
         config = self._confined(config)
-        named = [d for d in self.devices() if d.name in (placed or ())]
+        named = [d for d in self.devices(instance_id) if d.name in (placed or ())]
         gpus = [d for d in named if d.is_gpu]
         if not named:  # placed nowhere known (an older record): where a start would go now
             return self.place(instance_id, config)[0]
@@ -341,10 +488,11 @@ class CapacityGate:
         self, instance_id: str, config: Any, *, placed: bool = False
     ) -> dict[str, Any]:
         """The breakdown the estimate endpoints answer. `placed`: the instance runs, so its
-        own placement is shown rather than where a start now would go. Raises EstimateError."""
+        own placement is shown rather than where a start now would go. Reads the probe: call
+        it off the event loop. Raises EstimateError, GpusUnreadable."""
         placement = self.placements.get(instance_id) if placed else None
         if placement is not None:
-            avail = self.available(self.devices(), instance_id)
+            avail = self.available(self.devices(instance_id), instance_id)
         else:
             placement, avail, _ = self.place(instance_id, self._confined(config))
         doc = placement.estimate.as_dict(avail)

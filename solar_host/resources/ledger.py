@@ -284,10 +284,32 @@ class Ledger:
         out.update({k: v for k, v in dims.items() if v is not None})
         return out
 
-    def headroom_gb(self, fold: bool, now: datetime | None = None) -> dict[str, float]:
-        """GiB kept by reservations in force per dimension, unrounded (the fit check)."""
+    def headroom_gb(
+        self,
+        fold: bool,
+        now: datetime | None = None,
+        covered: dict[str, dict[str, float]] | None = None,
+    ) -> dict[str, float]:
+        """GiB kept by reservations in force per dimension, unrounded (the fit check).
+
+        `covered`: job_id -> GiB per dimension already counted elsewhere for that job (the
+        memory of the instance a reservation was made for): each reservation of the job
+        counts only what is left of it, max(headroom - covered, 0)."""
         with self._lock:
-            return self._headroom(self._live(now), fold)
+            live = self._live(now)
+        if not covered:
+            return self._headroom(live, fold)
+        left = {job: dict(by_dim) for job, by_dim in covered.items()}
+        out = dict.fromkeys(DIMENSIONS, 0.0)
+        for r, running in live:
+            rest = left.get(r.job_id, {})
+            for dim in DIMENSIONS:
+                headroom = r.headroom(dim, running, fold)
+                taken = min(headroom, rest.get(dim, 0.0))
+                if taken:
+                    rest[dim] -= taken
+                out[dim] += headroom - taken
+        return out
 
     def create(
         self,

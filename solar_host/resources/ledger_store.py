@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from solar_host.resources.ledger import Reservation, in_force
+from solar_host.resources.schemas import MAX_RESERVATION_GB
 from solar_host.statefiles import (
     PRIVATE,
     GroupCommit,
@@ -51,6 +53,21 @@ def _time(value: Any) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=UTC)
 
 
+def _amount(item: dict[str, Any], key: str) -> float:
+    """A GiB figure as POST /resources/reservations would have taken it: a JSON number, finite,
+    0 to MAX_RESERVATION_GB. Anything else is damage: a negative amount handed capacity out
+    (-1000 made 1020 GiB of a 24 GiB GPU available), NaN or infinity made host_health invalid
+    JSON and every fit check raise, and a string is no figure the host ever wrote."""
+    value = item[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} is not a number: {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 <= value <= MAX_RESERVATION_GB:
+        limit = f"{MAX_RESERVATION_GB:.0f}"
+        raise ValueError(f"{key} must be a finite number from 0 to {limit}: {value}")
+    return value
+
+
 def _parse(item: Any) -> Reservation:
     if not isinstance(item, dict):
         raise ValueError("entry is not an object")
@@ -61,9 +78,9 @@ def _parse(item: Any) -> Reservation:
         job_id=str(item["job_id"]),
         workload_type=str(item["workload_type"]),
         requester=None if item.get("requester") is None else str(item["requester"]),
-        vram_gb=float(item["vram_gb"]),
-        ram_gb=float(item["ram_gb"]),
-        disk_gb=None if disk is None else float(disk),
+        vram_gb=_amount(item, "vram_gb"),
+        ram_gb=_amount(item, "ram_gb"),
+        disk_gb=None if disk is None else _amount(item, "disk_gb"),
         created_at=_time(item["created_at"]),
         expires_at=None if expires is None else _time(expires),
     )

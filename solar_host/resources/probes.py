@@ -12,14 +12,16 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psutil
 
 log = logging.getLogger(__name__)
 GB = 1024**3
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +64,31 @@ def disk_usage(path: Path) -> Usage | None:
     return Usage(total_bytes=du.total, used_bytes=du.total - du.free, available_bytes=du.free)
 
 
-class LiveProbe:
-    """The real machine. NVML is initialised once, lazily, and only if it is installed."""
+# An NVML call that has not answered in this long is a failed read. A GPU that fell off the bus
+# can hang NVML for minutes; every reader (the fit check, GET /resources, /metrics) would wait
+# with it.
+NVML_TIMEOUT_S = 5.0
 
-    def __init__(self) -> None:
+
+class NvmlTimeout(RuntimeError):
+    """NVML did not answer within NVML_TIMEOUT_S (or an earlier call is still stuck in it)."""
+
+
+class LiveProbe:
+    """The real machine. NVML is initialised once, lazily, and only if it is installed.
+
+    Every NVML read runs in a worker thread and is given NVML_TIMEOUT_S: one that does not
+    answer raises NvmlTimeout. While a stuck call has not returned, further reads fail at
+    once rather than start another thread that would hang beside it."""
+
+    def __init__(self, nvml_timeout_s: float = NVML_TIMEOUT_S) -> None:
         self._nvml: Any = None
         self._nvml_tried = False
         self._lock = threading.Lock()
         self._gpu_type: str | None = None
+        self.nvml_timeout_s = nvml_timeout_s
+        self._stuck: threading.Event | None = None  # set once the stuck call returns
+        self._lost: set[int] = set()  # GPUs that could not be read last time (logged once)
 
     def _pynvml(self) -> Any:
         with self._lock:
@@ -85,32 +104,44 @@ class LiveProbe:
                     self._nvml = None
             return self._nvml
 
+    def _bounded(self, what: str, query: Callable[[Any], T], empty: T) -> T:
+        """`query(pynvml)` (`empty` without NVML), given nvml_timeout_s. The init runs inside
+        the bound too: nvmlInit itself hangs on a lost GPU."""
+        stuck = self._stuck
+        if stuck is not None and not stuck.is_set():
+            raise NvmlTimeout(f"NVML still has not answered an earlier call; {what} not read")
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                nv = self._pynvml()
+                box["value"] = empty if nv is None else query(nv)
+            except BaseException as err:  # handed to the caller, never lost in the thread
+                box["error"] = err
+            finally:
+                done.set()
+
+        # A daemon thread: a call that never returns must not keep the host from exiting.
+        threading.Thread(target=work, name=f"nvml-{what}", daemon=True).start()
+        if not done.wait(self.nvml_timeout_s):
+            self._stuck = done
+            log.error("NVML did not answer (%s) within %g s", what, self.nvml_timeout_s)
+            raise NvmlTimeout(f"NVML did not answer within {self.nvml_timeout_s:g} s ({what})")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def gpus(self) -> list[GpuDevice]:
-        nv = self._pynvml()
-        if nv is None:
-            return []
-        out = []
-        try:
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
-                name = nv.nvmlDeviceGetName(h)
-                uuid = nv.nvmlDeviceGetUUID(h)
-                out.append(
-                    GpuDevice(
-                        index=i,
-                        uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                        name=name.decode() if isinstance(name, bytes) else str(name),
-                        total_bytes=int(mem.total),
-                        used_bytes=int(mem.used),
-                    )
-                )
-        except Exception as err:
-            log.warning("NVML query failed: %s", err)
-            return []
-        return out
+        """Every GPU NVML can read. A GPU that cannot be read (fallen off the bus) is left out
+        and logged: the others are still there and must not vanish with it. Raises when NVML
+        cannot be read at all (no count, or not one device answered): a failed read, which
+        is not the same as a host without GPUs."""
+        return self._bounded("the GPU list", lambda nv: _read_gpus(nv, self._lost), [])
 
     def gpu_type(self) -> str:
+        """Decided once from a read that worked; a failed read raises and decides nothing
+        (caching "cpu" from it made a GPU host a CPU host until restart)."""
         if self._gpu_type is None:
             if self.gpus():
                 self._gpu_type = "nvidia_cuda"
@@ -141,31 +172,71 @@ class LiveProbe:
 
     def gpu_process_memory_by_device(self) -> dict[int, dict[int, int]]:
         """GPU index -> {pid: bytes} (compute and graphics processes), as NVML reports them."""
-        nv = self._pynvml()
-        if nv is None:
-            return {}
-        out: dict[int, dict[int, int]] = {}
         try:
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
-                per_pid = out.setdefault(i, {})
-                procs = []
-                for fn in (
-                    "nvmlDeviceGetComputeRunningProcesses",
-                    "nvmlDeviceGetGraphicsRunningProcesses",
-                ):
-                    try:
-                        procs.extend(getattr(nv, fn)(h))
-                    except Exception:
-                        pass
-                for p in procs:
-                    used = getattr(p, "usedGpuMemory", None)
-                    if used is None or used < 0 or used >= 2**63:
-                        continue
-                    per_pid[int(p.pid)] = per_pid.get(int(p.pid), 0) + int(used)
+            return self._bounded("GPU processes", _read_gpu_processes, {})
         except Exception as err:
             log.warning("NVML process query failed: %s", err)
-        return out
+            return {}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _read_gpus(nv: Any, lost: set[int]) -> list[GpuDevice]:
+    """Every GPU that answers. `lost`: the GPUs that did not last time, updated; a GPU is
+    logged when it is lost and when it is back, not at every read."""
+    out = []
+    count = nv.nvmlDeviceGetCount()
+    for i in range(count):
+        try:
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            name = nv.nvmlDeviceGetName(h)
+            uuid = nv.nvmlDeviceGetUUID(h)
+        except Exception as err:
+            if i not in lost:
+                log.error("GPU %d cannot be read, left out until it answers: %s", i, err)
+                lost.add(i)
+            continue
+        if i in lost:
+            log.warning("GPU %d answers again", i)
+            lost.discard(i)
+        out.append(
+            GpuDevice(
+                index=i,
+                uuid=_text(uuid),
+                name=_text(name),
+                total_bytes=int(mem.total),
+                used_bytes=int(mem.used),
+            )
+        )
+    if count and not out:
+        raise RuntimeError(f"none of the {count} GPUs could be read")
+    return out
+
+
+def _read_gpu_processes(nv: Any) -> dict[int, dict[int, int]]:
+    out: dict[int, dict[int, int]] = {}
+    for i in range(nv.nvmlDeviceGetCount()):
+        try:
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+        except Exception as err:  # a lost GPU: the others are still measured
+            log.warning("GPU %d cannot be read (left out): %s", i, err)
+            continue
+        per_pid = out.setdefault(i, {})
+        procs = []
+        for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            try:
+                procs.extend(getattr(nv, fn)(h))
+            except Exception:
+                pass
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None or used < 0 or used >= 2**63:
+                continue
+            per_pid[int(p.pid)] = per_pid.get(int(p.pid), 0) + int(used)
+    return out
 
 
 def round2(x: float) -> float:

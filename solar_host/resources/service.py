@@ -101,6 +101,13 @@ def add_loading(doc: dict[str, Any], holds: list[dict[str, Any]], fold: bool) ->
         block["available_gb"] = round(max(0.0, block["available_gb"] - gb), 2)
 
 
+def _covered_gb(by_kind: dict[str, int], fold: bool) -> dict[str, float]:
+    """Bytes an instance takes per kind ("gpu", "cpu") as GiB per ledger dimension; on a CPU
+    host (`fold`) all of it is RAM, as the ledger counts VRAM claims there."""
+    gpu, cpu = by_kind.get("gpu", 0) / GB, by_kind.get("cpu", 0) / GB
+    return {"vram": 0.0, "ram": gpu + cpu} if fold else {"vram": gpu, "ram": cpu}
+
+
 class ResourceService:
     """Owns the ledger. `jobs` (a JobView) is set after construction; None: nothing runs."""
 
@@ -121,6 +128,7 @@ class ResourceService:
         self._background_saves: set[asyncio.Task[None]] = set()
         self._system = CachedValue(SYSTEM_READ_TTL_S)
         self._system_lock = threading.Lock()
+        self._create_lock = threading.Lock()
         # Whether the host has NVIDIA GPUs: decided once (the first answer of the probe, or GPUs
         # seen), so that one failed NVML read never makes a GPU host count as a CPU host.
         self._gpu_host: bool | None = None
@@ -184,19 +192,33 @@ class ResourceService:
             log.exception("loading holds unavailable")
             return []
 
-    def reserved_bytes(self) -> dict[str, int]:
+    def reserved_bytes(self, covered: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
         """What reservations keep, as the fit check counts it: {"gpu": bytes, "cpu": bytes}
-        (on a CPU host all of it is "cpu")."""
-        headroom = self.ledger.headroom_gb(fold=self.gpu_host() is False)
+        (on a CPU host all of it is "cpu").
+
+        `covered`: job_id -> bytes per device kind ("gpu", "cpu") that instances made for that
+        job already take (held while they load, in the probe's figures once they run). Control
+        reserves an intent's memory (job_id "intent:<id>") before it starts the intent's
+        instance and releases it only once it sees the instance running: counting the
+        reservation beside the instance's own memory would count that memory twice. A
+        reservation counts only what its instance does not already cover, max(reserved -
+        covered, 0), so the pair together counts max(reservation, instance)."""
+        fold = self.gpu_host() is False
+        taken = None
+        if covered:
+            taken = {job: _covered_gb(by_kind, fold) for job, by_kind in covered.items()}
+        headroom = self.ledger.headroom_gb(fold=fold, covered=taken)
         return {"gpu": int(headroom["vram"] * GB), "cpu": int(headroom["ram"] * GB)}
 
-    def _fresh_usage_with_loading(self) -> SystemUsage:
-        """System usage read now, with the holds of loading instances counted as used: a
-        reservation cannot take memory a start is about to fill. Not the snapshot cache: a
-        start that finished loading within its second has dropped its hold, but the cached
-        figures would not show its memory yet."""
-        usage = self.read_usage()
-        gpu, cpu = loading_bytes(self._loading())
+    def _with_loading(self, usage: SystemUsage, earlier: list[dict[str, Any]]) -> SystemUsage:
+        """`usage` with the holds of loading instances counted as used: a reservation cannot
+        take memory a start is about to fill. The holds are read now (inside the ledger's
+        lock: a start admitted meanwhile has its hold counted) and joined with `earlier`, the
+        holds seen when the probe was read: a start that finished loading since has dropped
+        its hold, but the figures read before may not show its memory yet."""
+        holds = {h.get("instance_id"): h for h in earlier}
+        holds.update({h.get("instance_id"): h for h in self._loading()})
+        gpu, cpu = loading_bytes(list(holds.values()))
 
         def more(cap: Capacity | None, extra: int) -> Capacity | None:
             if cap is None or not extra:
@@ -213,8 +235,11 @@ class ResourceService:
     # --- durable changes (the REST routes) ------------------------------------------------------
     async def reserve(self, req: ReservationRequest) -> dict[str, Any]:
         """create(), answered once the ledger file holds it. Raises CapacityExceeded,
-        DimensionUnreadable, or LedgerNotPersisted (the reservation is undone)."""
-        view = self.create(req, persist=False)
+        DimensionUnreadable, or LedgerNotPersisted (the reservation is undone). The probe is
+        read in a worker thread: a hung NVML must not stop the event loop."""
+        self.cleanup_expired(count_run=False)
+        view = await asyncio.to_thread(self._check_and_insert, req)
+        self._created(view, persist=False)
         try:
             await self.store.commit()
         except OSError as err:
@@ -265,15 +290,30 @@ class ResourceService:
         """Reserve capacity; the view of the new reservation. Raises CapacityExceeded, or
         DimensionUnreadable when a dimension it asks for cannot be read now (503).
 
-        Written to the ledger file in the background; `reserve()` waits for the write."""
+        Reads the probe on the caller's thread; `reserve()` (the REST route) reads it off the
+        loop and waits for the write. Written to the ledger file in the background here."""
         # Expired reservations already count nowhere (ledger.in_force); sweeping them here also
         # takes them out of the ledger file with this write.
         self.cleanup_expired(count_run=False)
-        view = self.ledger.create(
-            req,
-            self._fresh_usage_with_loading,
-            default_ttl_s=self.settings.default_reservation_ttl_seconds,
-        )
+        view = self._check_and_insert(req)
+        self._created(view, persist=persist)
+        return view
+
+    def _check_and_insert(self, req: ReservationRequest) -> dict[str, Any]:
+        """The capacity check and insert (any thread). One create at a time reads the probe,
+        outside the ledger's lock: the lock then holds arithmetic only, so a probe that hangs
+        stalls this create, never the fit check or a snapshot waiting on the lock."""
+        with self._create_lock:
+            earlier = self._loading()
+            usage = self.read_usage()
+            return self.ledger.create(
+                req,
+                lambda: self._with_loading(usage, earlier),
+                default_ttl_s=self.settings.default_reservation_ttl_seconds,
+            )
+
+    def _created(self, view: dict[str, Any], *, persist: bool) -> None:
+        """Log and announce a new reservation (event-loop thread: it publishes)."""
         log.info(
             "reservation %s created for job %s (vram %.2f, ram %.2f, disk %s GiB)",
             view["id"],
@@ -285,7 +325,6 @@ class ResourceService:
         self.bus.publish(ReservationsChanged(reason="created"))
         if persist:
             self._persist_soon()
-        return view
 
     def release(self, reservation_id: str) -> dict[str, str]:
         """Raises ReservationNotFound, or ReservationRunning while its job runs."""
