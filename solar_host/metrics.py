@@ -75,6 +75,24 @@ class Family:
         return m
 
 
+def _control_refusals(c: dict[str, Any]) -> Family:
+    """What the link refused from control, by reason: a rise means control (or whatever
+    answers at its address) misbehaves, which the connected/registered gauges do not show."""
+    refused = Family(
+        f"{PREFIX}_control_refused",
+        "counter",
+        "What the host refused from solar-control, by reason: commands while busy, too large or "
+        "before registration; malformed packets; redirects of control's address; its own "
+        "reports too large to send.",
+        ("reason",),
+    )
+    for reason, count in sorted((c.get("commands_refused") or {}).items()):
+        refused.add((f"command_{reason}",), count)
+    for reason in ("refused_packets", "refused_redirects", "oversized_reports"):
+        refused.add((reason.removeprefix("refused_"),), c.get(reason, 0))
+    return refused
+
+
 def _escape(value: str) -> str:
     if "\\" in value or '"' in value or "\n" in value:
         return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -407,6 +425,7 @@ class HostMetrics:
         for kind, count in sorted((c.get("dropped") or {}).items()):
             dropped.add((str(kind),), count)
         yield dropped
+        yield _control_refusals(c)
 
     def _resource_families(self, host: Host) -> Iterator[Family]:
         resources = host.services.get("resources")

@@ -18,7 +18,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from solar_host.host import Host
+from solar_host.metrics import HostMetrics
 from solar_host.settings import SettingsError, load_settings
 from tests.fixtures.control_server import ControlServer, free_port
 from tests.fixtures.registry import make_cert
@@ -64,6 +67,17 @@ async def _redirector(target_url: str, ssl_context: ssl.SSLContext | None = None
     return runner, port, hits
 
 
+def _refused(host: Host, reason: str) -> float | None:
+    """solar_host_control_refused_total{reason} as GET /metrics renders it."""
+    text = HostMetrics(host).render().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "solar_host_control_refused_total":
+                if sample.labels.get("reason") == reason:
+                    return sample.value
+    return None
+
+
 @pytest.fixture
 async def target() -> AsyncIterator[Target]:
     t = Target()
@@ -96,6 +110,7 @@ async def test_a_redirect_from_the_control_address_is_not_followed(
         assert len(hits) >= 3 and hits[0] == "/socket.io/"
         assert not link.connected and not link.registered and link.host_id is None
         assert link.metrics().get("refused_redirects", 0) >= 3
+        assert _refused(host, "redirects") >= 3
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert errors, "no error line for the redirect"
         assert f"solar-control at {scheme}://127.0.0.1:{port} answered a redirect to" in errors[0]
@@ -143,6 +158,7 @@ async def test_commands_before_the_ack_are_answered_and_not_run(tmp_path: Path) 
             assert answer["ok"] is False and answer["error"]["code"] == "not_registered", answer
             assert host.services["instances"].list() == []
             assert link.metrics()["commands_refused"]["not_registered"] == 1
+            assert _refused(host, "command_not_registered") == 1
 
             await server.approve(pending_id)
             await wait_for(lambda: link.registered)
