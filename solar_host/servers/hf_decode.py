@@ -5,7 +5,8 @@ One scheduler thread owns the running batch: its rows, their shared KV cache (a 
 admits the requests that arrived (one left-padded prefill for all of them, whose last logits
 give each its first token at once), merges their cache rows into the running batch, then runs
 one decode step for every row. A request that arrives while others generate therefore waits
-for at most one step and one prefill, never for a generation to end.
+for at most one step and one prefill, never for a generation to end; one that arrives while a
+prefill runs (the later chats of a burst) is admitted in the same turn, before the step.
 
 Requests that arrive together are prefilled in groups, and each group's first tokens go out
 before the next group (or step) runs: the scheduler waits, briefly and boundedly, for the event
@@ -62,6 +63,9 @@ Post = Callable[[Deliveries, Callable[[], None] | None], None]
 HANDOFF_S = 0.010
 # Weight of the newest hand-over in their running average.
 HANDOFF_WEIGHT = 0.2
+# Times a turn of the scheduler takes in requests that arrived during its own prefills before
+# it runs the step (see _run).
+ADMIT_ROUNDS = 4
 
 
 @dataclass
@@ -261,25 +265,26 @@ class DecodeScheduler:
                 if self._stopping:
                     pending, self._pending = self._pending, []
                     break
-                room = self.max_batch - len(self._rows)
-                if self._rows and self._mergeable is False:
-                    room = 0  # static batching: wait for the batch to end
-                new, self._pending = self._pending[:room], self._pending[room:]
+            taken: list[GenRequest] = []  # every request this turn took from the queue
             try:
                 with torch.inference_mode():
                     self._drop(lambda r: r.req.cancel.is_set(), None)
-                    for r in new:
-                        if r.cancel.is_set():
-                            self.cancelled += 1
-                            self._end(r, Cancelled("client disconnected"))
-                    new = [r for r in new if not r.cancel.is_set()]
-                    for group in self._prefill_groups(new):
-                        self._admit(group)
-                        self._flush(handoff=True)  # first tokens go out now
+                    # Requests that came while a prefill and its hand-over ran are admitted
+                    # before the step: they would otherwise wait a whole step more, behind rows
+                    # that already have their first token. Bounded: a stream of arrivals does
+                    # not hold the running rows back for more than ADMIT_ROUNDS prefills.
+                    for _ in range(ADMIT_ROUNDS):
+                        new = self._take()
+                        if not new:
+                            break
+                        taken += new
+                        for group in self._prefill_groups(new):
+                            self._admit(group)
+                            self._flush(handoff=True)  # first tokens go out now
                     if self._rows:
                         self._step()
             except Exception as err:  # a step (or a merge) failed: every row of the batch fails
-                for r in [row.req for row in self._rows] + new:
+                for r in [row.req for row in self._rows] + taken:
                     if not r.ended:
                         self.failed += 1
                     self._end(r, err)
@@ -289,6 +294,25 @@ class DecodeScheduler:
         for req in pending + [r.req for r in self._rows]:
             self._end(req, Cancelled("server shutting down"))
         self._flush()
+
+    def _take(self) -> list[GenRequest]:
+        """The queued requests the batch has room for, in arrival order; those whose client
+        has already gone are ended here, never prefilled."""
+        with self._cond:
+            if self._stopping:
+                return []  # the next turn ends them all
+            room = self.max_batch - len(self._rows)
+            if self._rows and self._mergeable is False:
+                room = 0  # static batching: wait for the batch to end
+            new, self._pending = self._pending[:room], self._pending[room:]
+        live = []
+        for r in new:
+            if r.cancel.is_set():
+                self.cancelled += 1
+                self._end(r, Cancelled("client disconnected"))
+            else:
+                live.append(r)
+        return live
 
     def _prefill_groups(self, reqs: list[GenRequest]) -> list[list[GenRequest]]:
         """`reqs` in arrival order, cut into groups of near-equal size that minimise their mean

@@ -1,0 +1,114 @@
+"""Admission of new chats into the decode scheduler's running batch (issue 20: a burst's time
+to first token): requests that arrive while a prefill runs join the next prefill before any
+step."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from solar_host.servers.hf_protocol import GenParams
+from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from solar_host.servers.hf_decode import DecodeScheduler, GenRequest, GenResult  # noqa: E402
+
+WAIT_S = 60  # bound on every wait for the scheduler (a loaded 2-core machine)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf_models: TinyHFModels) -> tuple[Any, Any]:  # noqa: F811
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_hf_models.causal)
+    lm = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf_models.causal).eval()
+    return lm, tok
+
+
+class Requests:
+    """Greedy requests whose pieces and results are recorded as (request, what, steps) in the
+    order the scheduler delivers them."""
+
+    def __init__(self, tok: Any, sched_of: Any):
+        self.tok = tok
+        self.sched_of = sched_of
+        self.events: list[tuple[int, str, int]] = []
+        self.results: dict[int, GenResult | BaseException] = {}
+        self.done: dict[int, threading.Event] = {}
+
+    def make(self, i: int, prompt: str, max_new: int) -> GenRequest:
+        self.done[i] = threading.Event()
+
+        def piece(_text: str) -> None:
+            self.events.append((i, "piece", self.sched_of().steps))
+
+        def finished(res: GenResult | BaseException) -> None:
+            self.results[i] = res
+            self.events.append((i, "done", self.sched_of().steps))
+            self.done[i].set()
+
+        ids = self.tok(prompt)["input_ids"]
+        return GenRequest(ids, GenParams(temperature=0), max_new, piece, finished)
+
+    def wait(self, ids: range) -> None:
+        for i in ids:
+            assert self.done[i].wait(WAIT_S), f"request {i} did not finish"
+
+
+PROMPTS = ["the cat sat", "a man is eating", "hello", "the quick brown fox", "solar", "x", "ab"]
+
+
+def test_requests_that_arrive_during_a_prefill_join_the_next_prefill_before_any_step(
+    model,
+) -> None:
+    """The first request's prefill is handed to the loop; while that hand-over is pending,
+    six more arrive (as a burst's later chats reach the scheduler while the first one's
+    prefill runs). All six are prefilled together, and before the first request's first step:
+    none of them waits behind a step of a row that already has its first token."""
+    lm, tok = model
+    sched: DecodeScheduler
+    reqs = Requests(tok, lambda: sched)
+    burst = len(PROMPTS) - 1
+    submitted = threading.Event()
+
+    def post(calls: list, then: Any) -> None:  # the event loop's stand-in, run in place
+        for fn, arg in calls:
+            fn(arg)
+        if not submitted.is_set() and sched.prefills == 2:  # the warm-up's and the first's
+            submitted.set()
+            for i in range(1, burst + 1):
+                sched.submit(reqs.make(i, PROMPTS[i], 3))
+        if then is not None:
+            then()
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1)
+    sched.start()
+    try:
+        sched.submit(reqs.make(-1, "warm", 2))  # rows can join a running batch from now on
+        reqs.wait(range(-1, 0))
+        reqs.events.clear()
+        sched.submit(reqs.make(0, PROMPTS[0], 3))
+        reqs.wait(range(0, burst + 1))
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    # The warm-up's prefill, the first request's, then one for the six.
+    assert stats["prefills"] == 3
+    assert stats["admitted"] == burst + 2
+    first_pieces = {}
+    for i, what, steps in reqs.events:
+        if what == "piece":
+            first_pieces.setdefault(i, steps)
+    assert set(first_pieces) == set(range(burst + 1))
+    # Every first token, the first request's and the six's, came from a prefill: no decode
+    # step had run (the warm-up's steps are before the count started).
+    base = first_pieces[0]
+    assert all(steps == base for steps in first_pieces.values()), first_pieces
+    # Usage is exact whatever the grouping.
+    for i in range(burst + 1):
+        res = reqs.results[i]
+        assert isinstance(res, GenResult), res
+        assert res.completion_tokens == 3
+        assert res.prompt_tokens == len(tok(PROMPTS[i])["input_ids"])
