@@ -477,7 +477,10 @@ def normalize_control_url(url: str) -> str:
     text = url.strip()
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
+    try:
+        parts = urlsplit(text)
+    except ValueError as err:  # an unclosed IPv6 bracket: "Invalid IPv6 URL" alone names nothing
+        raise ValueError(f"{err} in {_without_password(url)!r}") from None
     # What the error quotes: the item as written, less any password in it.
     shown = repr(url.strip().replace(f"{parts.username}:{parts.password}@", "***@"))
     scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
@@ -494,6 +497,17 @@ def normalize_control_url(url: str) -> str:
     if port == 0:
         raise ValueError(f"the port in {shown} is not a number from 1 to 65535")
     return f"{scheme}://{parts.netloc}"
+
+
+def _without_password(url: str) -> str:
+    """`url` with whatever sits between "://" and the last "@" of its authority shown as ***:
+    for a URL urlsplit cannot take apart."""
+    text = url.strip()
+    scheme, sep, rest = text.rpartition("://")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    return f"{scheme}{sep}{authority}{slash}{path}"
 
 
 def _echo_delays(text: str) -> list[float]:

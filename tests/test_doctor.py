@@ -215,8 +215,9 @@ def check_line(out: str, name: str) -> str:
 
 
 def test_ipv6_host_and_malformed_control_urls_fail_checks_not_the_doctor(tmp_path: Path) -> None:
-    """HOST=::1 (the URL needs brackets) and SOLAR_CONTROL_URLs httpx cannot parse are FAIL
-    lines with a fix, not a traceback."""
+    """HOST=::1 (the URL needs brackets) is a FAIL line with a fix; a SOLAR_CONTROL_URL that
+    cannot be parsed is refused as the host refuses it at start-up (one line naming the setting
+    and the value, exit 2), not a traceback."""
     from tests.test_cli import fake_host, jsn
 
     if not socket.has_ipv6:
@@ -233,10 +234,10 @@ def test_ipv6_host_and_malformed_control_urls_fail_checks_not_the_doctor(tmp_pat
     assert "[FAIL]" in port_line and "refuses this API key" in port_line, r.stdout
     for url in ("http://control:80a", "http://[::1"):
         r = run_doctor(tmp_path, SOLAR_CONTROL_URL=url)
-        assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
-        line = check_line(r.stdout, "control url")
-        assert "[FAIL]" in line and url in line, r.stdout
-        assert "fix: check SOLAR_CONTROL_URL" in r.stdout
+        assert "Traceback" not in r.stderr and r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Invalid setting SOLAR_CONTROL_URL" in lines[0], r.stderr
+        assert repr(url) in lines[0], r.stderr
 
 
 def test_solar_host_url_in_the_env_file_is_no_unknown_setting(tmp_path: Path) -> None:

@@ -203,8 +203,12 @@ def test_two_hosts_sharing_a_log_dir_never_touch_each_others_backends(tmp_path: 
 
 def test_unrecorded_backend_of_ours_is_swept_after_the_host_serves(tmp_path: Path) -> None:
     """A host killed between spawn and record leaves a backend nobody manages: the next boot
-    stops it (it carries the marker), but the host answers /health before that stop ends."""
-    with HostProc(tmp_path / "h", env={"STOP_GRACE_S": "3"}) as h:
+    stops it (it carries the marker), but the host answers /health before that stop ends.
+
+    The stray ignores SIGTERM, so a boot that waited for its stop would have waited out the
+    whole grace and killed it: the stray still alive once the host serves shows the boot did
+    not wait (a comparison of boot times showed nothing more, and failed under load)."""
+    with HostProc(tmp_path / "h", env={"STOP_GRACE_S": "8"}) as h:
         h.start()
         with h.client() as c:
             iid = create(c, h, "x", "--ignore-sigterm")
@@ -213,15 +217,10 @@ def test_unrecorded_backend_of_ours_is_swept_after_the_host_serves(tmp_path: Pat
         # Forget the record, as if the host had died before writing it.
         config = h.tmp / "config.json"
         config.write_text('{"roles": ["inference"], "instances": []}')
-        baseline = HostProc(tmp_path / "empty")
-        try:
-            baseline_s = baseline.start()
-        finally:
-            baseline.reap()
-        took = h.start()
+        h.start()
         assert alive(pid), "boot waited for the stray's stop before serving"
-        assert took < baseline_s + 1.0, (took, baseline_s)
-        wait_for(lambda: not alive(pid), 15, "the stray to be swept")
+        wait_for(lambda: "stopping unmanaged backend pid" in h.log(), 30, "the sweep to begin")
+        wait_for(lambda: not alive(pid), 60, "the stray to be swept")
         assert "stopping unmanaged backend pid" in h.log()
 
 
