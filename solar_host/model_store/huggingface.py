@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from solar_host.model_store.pull import PullError
+from solar_host.model_store.pull import LowSpeedGuard, PullError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ MAX_LISTING_PAGES = 1000
 # The Hub's API answers (repository info, file listing pages) are read whole into memory:
 # one past this is refused. File downloads are not API answers, and are not capped.
 MAX_METADATA_BYTES = 64 << 20
+# A file body that keeps arriving at under MIN_RATE_BPS over RATE_WINDOW_S fails the pull: the
+# read timeout only catches silence, and huggingface_hub retries a timed-out body without end
+# as long as each try brought a byte (a peer trickling bytes would hold the pull for days).
+MIN_RATE_BPS = 1024.0
+RATE_WINDOW_S = 60.0
 _pull_state = threading.local()  # the cancel event of the pull this thread runs
 _client_lock = threading.Lock()
 _client_installed = False
@@ -73,16 +78,21 @@ def _guard_request(request: Any) -> None:
 
 def _bound_response(response: Any) -> None:
     """httpx response hook: an API answer is refused past MAX_METADATA_BYTES, by its declared
-    length or, for one without, as its bytes arrive."""
+    length or, for one without, as its bytes arrive; any body that trickles in under
+    MIN_RATE_BPS fails."""
+    guard = LowSpeedGuard(
+        f"The Hub's answer for {response.request.url.path}", MIN_RATE_BPS, RATE_WINDOW_S
+    )
     if not response.request.url.path.startswith("/api/"):
+        response.stream = _capped_stream(response.stream, response, None, guard)
         return
     declared = response.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_METADATA_BYTES:
         raise _too_big(response)
-    response.stream = _capped_stream(response.stream, response)
+    response.stream = _capped_stream(response.stream, response, MAX_METADATA_BYTES, guard)
 
 
-def _capped_stream(inner: Any, response: Any) -> Any:
+def _capped_stream(inner: Any, response: Any, limit: int | None, guard: LowSpeedGuard) -> Any:
     # The response checks its stream against its own httpx's SyncByteStream (huggingface_hub
     # may bring a fork of httpx under another name): take that class from the stream itself.
     base = next((k for k in type(inner).__mro__ if k.__name__ == "SyncByteStream"), type(inner))
@@ -92,8 +102,9 @@ def _capped_stream(inner: Any, response: Any) -> Any:
             size = 0
             for chunk in inner:
                 size += len(chunk)
-                if size > MAX_METADATA_BYTES:
+                if limit is not None and size > limit:
                     raise _too_big(response)
+                guard.feed(len(chunk))
                 yield chunk
 
         def close(self) -> None:
@@ -157,17 +168,36 @@ def bytes_on_disk(local_dir: Path) -> int:
     return total
 
 
+# The name snapshot_download (huggingface_hub 1.x, 2.x) gives the bar of the bytes written.
+# huggingface_hub checks a file's size against the announced one only once its body ended, so
+# a body that never ends would fill the disk down to MIN_FREE_DISK_GB first.
+BYTES_BAR = "huggingface_hub.snapshot_download"
+
+
 def _bar_class(cancel: threading.Event) -> type:
     from huggingface_hub.utils import tqdm as hf_tqdm
 
     class CountingBar(hf_tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
+            # The bytes bar: every file adds its announced size to `total` before its body
+            # is read, so more bytes than `total` is a body longer than announced.
+            self._bytes_bar = kwargs.get("name") == BYTES_BAR
+            self._received = 0.0
             super().__init__(*args, **kwargs)
 
         def update(self, n: float | None = 1) -> bool | None:
             if cancel.is_set():
                 raise PullCancelled("pull cancelled")
+            self._received += n or 0
+            total = getattr(self, "total", None)
+            if self._bytes_bar and total is not None and self._received > total:
+                raise PullError(
+                    502,
+                    "model_pull_failed",
+                    f"The Hub sent more than the {int(total)} bytes it announced for the "
+                    "files; refusing to store the rest",
+                )
             return None
 
     return CountingBar

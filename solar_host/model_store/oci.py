@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from solar_host.model_store.progress import ByteCounter
-from solar_host.model_store.pull import PullError, safe_relative
+from solar_host.model_store.pull import LowSpeedGuard, PullError, safe_relative
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,10 @@ DIR_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"  # oras: a pushed dire
 # Every request to the registry (and to the token endpoint its challenge names) is bounded.
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
+# A blob body that keeps arriving at under MIN_RATE_BPS over RATE_WINDOW_S fails the pull (the
+# read timeout alone lets a peer trickle a byte a minute for ever); the part stays for a resume.
+MIN_RATE_BPS = 1024.0
+RATE_WINDOW_S = 60.0
 # distribution refuses manifests over 4 MiB; a bigger (or endless) one is not read.
 MAX_MANIFEST_BYTES = 4 << 20
 # Any other answer read whole (the token endpoint's, oras' own calls) is small JSON: a bigger
@@ -495,6 +499,7 @@ def _stream(
     os.ftruncate(fd, offset)
     os.lseek(fd, offset, os.SEEK_SET)
     read = _body_reader(resp, expected)
+    guard = LowSpeedGuard("The registry's blob download", MIN_RATE_BPS, RATE_WINDOW_S)
     pipe = _Pipeline(hasher, fd, offset, counter)
     received = 0
     failure: BaseException | None = None
@@ -511,6 +516,7 @@ def _stream(
                     if not got:
                         break
                     n += got
+                    guard.feed(got)
             except Exception as err:
                 failure = err
             if n:
@@ -522,6 +528,8 @@ def _stream(
         written = pipe.close()  # a write error (ENOSPC) is raised from here as is
     if cancel.is_set():
         return written
+    if isinstance(failure, PullError):
+        raise failure
     if failure is not None:
         raise PullError(502, "source_unreachable", f"Download interrupted: {failure}") from failure
     if written < expected:

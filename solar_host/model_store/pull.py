@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -38,6 +40,45 @@ class PullError(Exception):
             "source_uri": source_uri,
             "status_code": self.status_code,
         }
+
+
+class LowSpeedGuard:
+    """curl's --speed-limit/--speed-time for one response body: a body that keeps coming, but
+    at under `min_bps` bytes/s over `window_s` seconds, fails the pull.
+
+    A read timeout only catches a peer that sends nothing: one that sends a byte every few
+    seconds (a trickle) never trips it and holds the pull, and its worker thread, for days.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        min_bps: float,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.what = what
+        self.min_bps = min_bps
+        self.window_s = window_s
+        self._clock = clock
+        self._start = clock()
+        self._bytes = 0
+
+    def feed(self, n: int) -> None:
+        """Count `n` bytes received; raise a 502 when the window closed under the rate."""
+        self._bytes += n
+        now = self._clock()
+        elapsed = now - self._start
+        if elapsed < self.window_s:
+            return
+        if self._bytes < self.min_bps * elapsed:
+            raise PullError(
+                502,
+                "source_unreachable",
+                f"{self.what} stalled: {self._bytes} bytes in {elapsed:.0f} s, under "
+                f"{self.min_bps:.0f} bytes/s; giving up",
+            )
+        self._start, self._bytes = now, 0
 
 
 def invalid(detail: str) -> PullError:

@@ -96,6 +96,7 @@ class ModelStore:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.manifest.ensure)
+        await asyncio.to_thread(self._recover_replaced)
 
     async def stop(self) -> None:
         jobs = list(self._jobs.values())
@@ -220,8 +221,7 @@ class ModelStore:
             if job is not None and job.key != key:
                 # Another request of the same artifact is downloading something else (other
                 # filters): let it finish, then decide again from what is on disk.
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(job.task)  # type: ignore[arg-type]
+                await _outcome(job.task)
                 continue
             if job is None:
                 # Checked again with no await before the job is registered: another source of
@@ -331,16 +331,21 @@ class ModelStore:
         target = self.models_dir / slug
         old = self.manifest.get(req.base_uri)
         floor = int(self.settings.min_free_disk_gb * GB)
+        # Adding files to a snapshot on disk: the download reuses its files (also when an
+        # earlier top-up was interrupted and left its partial directory).
         topup = (
             req.source == "huggingface"
             and old is not None
             and Path(old.path) == target
             and target.is_dir()
-            and not partial.exists()
         )
         filters = req.filters
-        if topup and old is not None and filters is not None and old.file_filters is not None:
-            filters = sorted(set(old.file_filters) | set(filters))
+        if topup and old is not None:
+            filters = (
+                None
+                if filters is None or old.file_filters is None
+                else sorted(set(old.file_filters) | set(filters))
+            )
         counter = ByteCounter()
         layers: list[oci.Layer] = []
         registry: oci.Registry | None = None
@@ -385,13 +390,10 @@ class ModelStore:
 
         if topup:
             assert old is not None
-            # A recorded file whose size changed is damaged: huggingface_hub would keep it (its
-            # metadata says the file is complete), so it goes, and is fetched again.
-            await asyncio.to_thread(_forget_damaged, target, old)
-            # Move the snapshot aside so its files are reused, and put it back on failure.
-            await asyncio.to_thread(self.manifest.remove, req.base_uri)
-            partial.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(target, partial)
+            # The model stays where it is, recorded and usable, while the download runs: its
+            # files are linked into the partial directory (no disk, no copy), and only the
+            # finished snapshot replaces it. A failed or killed top-up leaves it as it was.
+            await asyncio.to_thread(_link_snapshot, target, partial, old)
 
         def fetch() -> None:
             if registry is not None:
@@ -411,7 +413,6 @@ class ModelStore:
                     cancel=job.cancel.event,
                 )
 
-        ok = False
         try:
             measure = None if registry is not None else partial
             await self._run_monitored(job, fetch, counter, floor, partial, measure)
@@ -437,22 +438,13 @@ class ModelStore:
                         507, "insufficient_storage", "Insufficient disk space."
                     ) from err
                 raise
-            ok = True
             return entry
         except PullError as err:
             if err.status_code in (401, 404, 507):
-                # Nothing worth resuming: free the disk. A top-up's directory is the model
-                # already pulled: only what this pull added goes.
-                if topup and old is not None:
-                    await asyncio.to_thread(_keep_only, partial, old)
-                else:
-                    await asyncio.to_thread(shutil.rmtree, partial, True)
+                # Nothing worth resuming: free the disk. A top-up's partial directory holds
+                # only links to the model, which stays as it was.
+                await asyncio.to_thread(shutil.rmtree, partial, True)
             raise
-        finally:
-            if not ok and topup and old is not None and partial.is_dir() and not target.exists():
-                with contextlib.suppress(OSError):
-                    os.replace(partial, target)
-                    self.manifest.upsert(old)
 
     async def _run_monitored(
         self,
@@ -551,27 +543,6 @@ class ModelStore:
             src = partial
         files = inventory(src)
         sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
-        if target.exists():
-            previous = self.manifest.get_slug(slug)
-            if previous is not None and previous.source_uri == req.base_uri:
-                shutil.rmtree(target)  # this source's older copy, replaced
-            else:
-                # Not a directory this store recorded (someone's own files, or a pull killed
-                # between placing its files and recording them): kept aside, never erased.
-                aside = target.with_name(f"{slug}.kept-{time.strftime('%Y%m%dT%H%M%S')}")
-                os.replace(target, aside)
-                log.warning(
-                    "%s held files this store did not record; moved to %s before the pull of "
-                    "%s took its place",
-                    target,
-                    aside,
-                    req.base_uri,
-                )
-        os.replace(src, target)
-        if src != partial:
-            shutil.rmtree(partial, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            (self.models_dir / PARTIAL).rmdir()
         metadata = dict(req.metadata or {})
         if req.source == "harbor":
             metadata.setdefault("harbor_ref", req.harbor_ref)
@@ -593,8 +564,73 @@ class ModelStore:
             file_sizes=dict(files),
             file_filters=filters,
         )
-        self.manifest.upsert(entry)
+        self._place(src, target, entry)
+        if src != partial:
+            shutil.rmtree(partial, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.models_dir / PARTIAL).rmdir()
         return entry
+
+    def _place(self, src: Path, target: Path, entry: ManifestEntry) -> None:
+        """Put the finished tree `src` at `target` and record it.
+
+        This source's older copy is renamed aside first and removed only once the new one is
+        recorded; if recording fails (a full disk), the swap is undone, so the manifest never
+        names a directory that is not the one it describes. A crash between the renames
+        leaves the older copy aside, where `start()` puts it back.
+        """
+        replaced = self._replaced(entry.slug)
+        if target.exists():
+            previous = self.manifest.get_slug(entry.slug)
+            if previous is not None and previous.source_uri == entry.source_uri:
+                shutil.rmtree(replaced, ignore_errors=True)
+                replaced.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(target, replaced)
+            else:
+                self._keep_aside(target, entry)
+        os.replace(src, target)
+        try:
+            self.manifest.upsert(entry)
+        except OSError:
+            os.replace(target, src)  # under .partial, where the caller's cleanup finds it
+            if replaced.exists():
+                os.replace(replaced, target)
+            raise
+        shutil.rmtree(replaced, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            replaced.parent.rmdir()
+
+    def _replaced(self, slug: str) -> Path:
+        # Under a name no slug can take (slugs never start with "."): see _place.
+        return self.models_dir / PARTIAL / ".replaced" / slug
+
+    def _keep_aside(self, target: Path, entry: ManifestEntry) -> None:
+        """A directory this store did not record (someone's own files, or a pull killed between
+        placing its files and recording them): kept aside, never erased."""
+        aside = target.with_name(f"{entry.slug}.kept-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(target, aside)
+        log.warning(
+            "%s held files this store did not record; moved to %s before the pull of %s took "
+            "its place",
+            target,
+            aside,
+            entry.source_uri,
+        )
+
+    def _recover_replaced(self) -> None:
+        """Put back an older copy a crash left aside between the renames of `_place`."""
+        aside_dir = self.models_dir / PARTIAL / ".replaced"
+        if not aside_dir.is_dir():
+            return
+        for aside in aside_dir.iterdir():
+            target = self.models_dir / aside.name
+            if target.exists() or self.manifest.get_slug(aside.name) is None:
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, target)
+                log.warning("restored %s, left aside by a pull that was interrupted", target)
+        with contextlib.suppress(OSError):
+            aside_dir.rmdir()
 
     # --- delete ------------------------------------------------------------------------------
 
@@ -729,6 +765,21 @@ class ModelStore:
         }
 
 
+async def _outcome(task: asyncio.Task[Any] | None) -> None:
+    """Wait for another caller's `task`, whatever it ends with; a cancellation of the waiter
+    itself (its client went away) is not swallowed with the task's own failure."""
+    if task is None:
+        return
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            raise
+    except Exception:
+        pass  # that pull's failure is its callers' to report: this one decides anew
+
+
 def _overlaps(root: Path, names: set[str], paths: list[Path], filters: list[str] | None) -> bool:
     """Whether deleting `names` (relative to `root`) takes files an instance uses."""
     for p in paths:
@@ -768,34 +819,42 @@ def slug_for_safe(uri: str) -> str | None:
         return None
 
 
-def _keep_only(root: Path, entry: ManifestEntry) -> None:
-    """Remove from `root` the files `entry` does not record, and huggingface_hub's unfinished
-    downloads (its .cache keeps the metadata of the recorded files, which a later pull reuses)."""
-    recorded = entry.file_sizes or {}
-    for rel, _size in inventory(root):
-        if rel not in recorded:
-            with contextlib.suppress(OSError):
-                (root / rel).unlink()
-    for part in (root / ".cache").rglob("*.incomplete"):
-        with contextlib.suppress(OSError):
-            part.unlink()
+def _link_snapshot(target: Path, partial: Path, entry: ManifestEntry) -> None:
+    """Give `partial` the recorded files of the snapshot in `target`, as hard links, with the
+    metadata huggingface_hub keeps of them (copied: it rewrites those files in place), so that
+    a download into `partial` fetches only what is missing.
 
-
-def _forget_damaged(root: Path, entry: ManifestEntry) -> None:
-    """Remove the recorded files of `root` whose size is not the recorded one, with the
-    metadata huggingface_hub keeps of them, so that the next download fetches them again."""
-    meta = root / ".cache" / "huggingface" / "download"
+    A recorded file whose size changed is damaged: neither it nor its metadata is carried over
+    (huggingface_hub would keep it, its metadata saying it is complete), so it is fetched
+    again. What `partial` already holds (an interrupted top-up) is kept.
+    """
+    meta = Path(".cache") / "huggingface" / "download"
     for rel, size in (entry.file_sizes or {}).items():
         try:
-            path = confine(rel, root, what="recorded file")
+            src = confine(rel, target, what="recorded file")
+            dst = confine(rel, partial, what="recorded file")
         except SourceError:
             continue  # not a name this store writes (a hand-edited manifest): left alone
         try:
-            if path.stat().st_size == size:
+            if src.is_symlink() or src.stat().st_size != size:
+                log.warning("%s is damaged (not the size it was pulled at); fetching it again", src)
                 continue
         except OSError:
-            pass  # missing: its metadata must go all the same
-        log.warning("%s is damaged (not the size it was pulled at); fetching it again", path)
-        for stale in (path, meta / f"{rel}.metadata", meta / f"{rel}.lock"):
-            with contextlib.suppress(OSError):
-                stale.unlink()
+            continue  # missing: fetched again
+        _carry(src, dst, copy=False)
+        _carry(target / meta / f"{rel}.metadata", partial / meta / f"{rel}.metadata", copy=True)
+
+
+def _carry(src: Path, dst: Path, *, copy: bool) -> None:
+    """Link (or copy) `src` to `dst` unless `dst` exists; a file that cannot be linked (a
+    filesystem without hard links) is left to be fetched again."""
+    if dst.exists() or not src.is_file():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if copy:
+            shutil.copy2(src, dst)
+        else:
+            os.link(src, dst)
+    except OSError as err:
+        log.warning("cannot reuse %s for the pull (%s); fetching it again", src, err)
