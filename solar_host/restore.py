@@ -23,6 +23,7 @@ from solar_host.statefiles import (
     atomic_write_bytes,
     check_api_key,
     last_good_path,
+    read_regular,
     read_state_bytes,
     real_file,
 )
@@ -132,7 +133,7 @@ def _restore(settings: Settings, *, dry_run: bool, say: Callable[[str], None]) -
         )
         if dry_run:
             continue
-        data = prev.read_bytes()
+        data = read_regular(prev)
         if os.path.lexists(target):
             os.replace(target, aside)
         atomic_write_bytes(target, data, PRIVATE)

@@ -69,13 +69,43 @@ def describe_damage(path: Path, error: str) -> str:
     return f"cannot use state file {path}: {error}; nothing was changed; {where}"
 
 
+def _kind_of(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the regular file `path` (a symlink is followed). What is not a regular
+    file is refused without reading it (StateFileError): a FIFO in a state file's place would
+    block the start for good, a link to /dev/zero would read until memory runs out. Opened
+    non-blocking, so even the open of a FIFO with no writer returns. OSError as `open` gives
+    it (FileNotFoundError for a missing file or a dangling link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise StateFileError(path, f"it is a {_kind_of(mode)}, not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 def read_state_bytes(path: Path) -> bytes | None:
     """The file's bytes; None when it does not exist (a first start). Refuses what is there but
-    cannot be read (a directory in its place, no permission, an I/O error), and a file that is
-    missing while its last good copy exists: writes only ever replace the file, so it was
-    removed from outside, and starting empty would lose what it held."""
+    cannot be read (a directory or a FIFO in its place, no permission, an I/O error), and a
+    file that is missing while its last good copy exists: writes only ever replace the file, so
+    it was removed from outside, and starting empty would lose what it held."""
     try:
-        return path.read_bytes()
+        return read_regular(path)
     except FileNotFoundError:
         if last_good_path(path).is_file():
             raise StateFileError(
@@ -259,7 +289,7 @@ def parse_api_key(path: Path, raw: bytes) -> str:
 def _copy_key(prev: Path) -> str | None:
     """The key held by the last good copy; None when there is none or it does not parse."""
     try:
-        return parse_api_key(prev, prev.read_bytes())
+        return parse_api_key(prev, read_regular(prev))
     except (OSError, StateFileError):
         return None
 

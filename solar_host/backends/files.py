@@ -7,6 +7,7 @@ file wins. Relative patterns never leave the base directory.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import logging
 import os
@@ -36,6 +37,14 @@ def resolve_model_file(base_dir: Path, pattern: str) -> Path:
     """The file `pattern` names under `base_dir`. Raises FileNotFoundError or ValueError."""
     if "\x00" in pattern:
         raise ValueError("Invalid model file pattern: NUL character")
+    # The kernel's bounds (PATH_MAX, NAME_MAX): past them every lookup is ENAMETOOLONG, an
+    # OSError the checks below do not expect (a 5,000-character model_file was a 500).
+    if len(os.fsencode(pattern)) >= 4096 or any(
+        len(os.fsencode(part)) > 255 for part in pattern.split("/")
+    ):
+        raise ValueError(
+            "Invalid model file pattern: too long for a path (at most 4095 bytes, 255 per name)"
+        )
     p = Path(pattern)
     if p.is_absolute():
         if p.is_file():
@@ -47,13 +56,14 @@ def resolve_model_file(base_dir: Path, pattern: str) -> Path:
     if exact.is_file() and _inside(exact, base_dir):
         return exact
     matches: list[Path] = []
+    pats = [part for part in pattern.split("/") if part not in ("", ".")]
+    try:
+        for part in pats:  # a malformed class is refused as glob would
+            re.compile(fnmatch.translate(part))
+    except re.error as err:
+        raise ValueError(f"Invalid model file pattern '{pattern}': {err}") from None
     for recursive in (False, True):
-        expr = "**/" + pattern if recursive else pattern
-        try:
-            # root_dir keeps glob characters in the directory name ("Model[v2]") literal.
-            found = [base_dir / m for m in glob.glob(expr, root_dir=base_dir, recursive=recursive)]
-        except (re.error, ValueError) as err:
-            raise ValueError(f"Invalid model file pattern '{pattern}': {err}") from None
+        found = _search(base_dir, pats, recursive, pattern)
         matches = [m for m in found if m.is_file() and _inside(m, base_dir)]
         if matches:
             break
@@ -70,6 +80,81 @@ def resolve_model_file(base_dir: Path, pattern: str) -> Path:
         names = ", ".join(sorted(str(m.relative_to(base_dir)) for m in matches))
         raise ValueError(f"Model file pattern '{pattern}' is ambiguous under {base_dir}: {names}")
     return ranked[0]
+
+
+# Directory entries one search may look at: a model directory holds tens of files, a store of
+# a few hundred models some thousands (hidden directories, such as huggingface_hub's .cache,
+# are not entered); a link to / (or a link loop) made the recursive glob walk the machine,
+# /proc included, on the event loop, and the host stopped answering.
+MAX_SEARCH_ENTRIES = 50_000
+
+
+def _name_matches(name: str, pat: str) -> bool:
+    """One path component against one pattern component, as glob judges it: a wildcard does
+    not match a hidden name unless the pattern starts with '.'."""
+    if not glob.has_magic(pat):
+        return name == pat
+    if name.startswith(".") and not pat.startswith("."):
+        return False
+    return fnmatch.fnmatchcase(name, pat)
+
+
+def _rel_matches(names: list[str], pats: list[str], recursive: bool) -> bool:
+    if not pats:
+        return not names
+    head = pats[0]
+    if head == "**" and recursive:  # zero or more directories, none hidden
+        for i in range(len(names) + 1):
+            if i and names[i - 1].startswith("."):
+                return False
+            if _rel_matches(names[i:], pats[1:], recursive):
+                return True
+        return False
+    if not names:
+        return False
+    return _name_matches(names[0], head) and _rel_matches(names[1:], pats[1:], recursive)
+
+
+def _search(base_dir: Path, pats: list[str], recursive: bool, given: str) -> list[Path]:
+    """Paths under `base_dir` whose relative path matches `pats` (`**/` before them when
+    `recursive`), as glob would find them, with bounds glob lacks: a directory is listed once
+    (a link loop ends), links to directories outside `base_dir` are not entered, and past
+    MAX_SEARCH_ENTRIES entries the search is refused (ValueError) rather than left to run."""
+    full = ["**", *pats] if recursive else pats
+    real_base = os.path.realpath(base_dir)
+    seen: set[str] = set()
+    found: list[Path] = []
+    budget = MAX_SEARCH_ENTRIES
+    stack: list[tuple[Path, list[str]]] = [(base_dir, [])]
+    while stack:
+        directory, rel = stack.pop()
+        real = os.path.realpath(directory)
+        if real in seen or not (real == real_base or real.startswith(real_base + os.sep)):
+            continue
+        seen.add(real)
+        try:
+            with os.scandir(directory) as it:
+                entries = sorted(e.name for e in it)
+        except OSError:
+            continue
+        for name in entries:
+            budget -= 1
+            if budget < 0:
+                raise ValueError(
+                    f"Model file pattern '{given}': more than {MAX_SEARCH_ENTRIES} files and "
+                    f"directories under {base_dir} to search (or links that loop); name the file"
+                )
+            names = [*rel, name]
+            path = directory / name
+            if _rel_matches(names, full, recursive):
+                found.append(path)
+            if recursive:  # `**` never matches a hidden directory: glob does not enter one
+                deeper = not name.startswith(".") or any(p.startswith(".") for p in pats)
+            else:
+                deeper = len(names) < len(pats) and _name_matches(name, pats[len(rel)])
+            if deeper and path.is_dir():
+                stack.append((path, names))
+    return found
 
 
 class PatternError(ValueError):

@@ -118,6 +118,8 @@ class InstanceManager:
         markers = [r.process.marker for r in loaded.records if r.process is not None]
         markers += [q.marker for q in self.store.quarantined]
         recorded = ownership.recorded_host_ids(markers)
+        if self.store.on_disk is None:  # no config.json: a first start, or one gone missing
+            ownership.check_missing_config(self.settings.config_file)
         return ownership.load_host_id(self.settings.config_file, recorded)
 
     async def startup(self) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from solar_host.instances import sockdiag
-from solar_host.statefiles import StateFileError
+from solar_host.statefiles import StateFileError, read_regular
 
 MARKER_VAR = "SOLAR_HOST_MARKER"
 # The API port the host gave the backend, beside the marker: a backend whose spawn the host did
@@ -140,7 +140,7 @@ def load_host_id(config_file: Path, recorded: Collection[str] = ()) -> str:
     """
     path = host_id_path(config_file)
     try:
-        text = path.read_bytes().decode("ascii", "replace").strip()
+        text = read_regular(path).decode("ascii", "replace").strip()
     except FileNotFoundError:
         text = None
     except OSError as err:
@@ -174,6 +174,40 @@ def load_host_id(config_file: Path, recorded: Collection[str] = ()) -> str:
     elif ids:
         log.warning("%s is missing; its id is taken back from config.json", path)
     return _create_host_id(path, next(iter(ids)) if ids else uuid.uuid4().hex)
+
+
+def check_missing_config(config_file: Path) -> None:
+    """Refuse a start without config.json (StateFileError) while backends spawned under this
+    state directory's host id still run.
+
+    A host writes config.json at its first start, right after creating the host id, and only
+    ever replaces it: a missing file beside an existing id was removed from outside, or lies on
+    a disk that is not mounted (CONFIG_FILE a link to it). Starting empty would stop every one
+    of those backends as unmanaged, and write a fresh config.json where the link points.
+    Without running backends there is nothing to lose, and the start goes on (a first start,
+    an operator who cleared the state on purpose)."""
+    path = host_id_path(config_file)
+    try:
+        text = read_regular(path).decode("ascii", "replace").strip()
+    except (OSError, StateFileError):
+        return  # no id (a first start), or one load_host_id judges
+    if not _HOST_ID.fullmatch(text):
+        return
+    running = ours_running(text)
+    if not running:
+        return
+    pids = sorted(i.pid for idents in running.values() for i in idents)
+    shown = ", ".join(map(str, pids[:8])) + (", ..." if len(pids) > 8 else "")
+    where = ""
+    if os.path.islink(config_file):
+        target = os.readlink(config_file)
+        where = f" (a link to {target}, which does not exist: a disk not mounted?)"
+    raise StateFileError(
+        config_file,
+        f"the file is missing{where} but {len(running)} backend(s) spawned under its host id "
+        f"{text} still run (pids {shown}); starting empty would stop them: put config.json "
+        f"back, or stop those backends to start with no instances",
+    )
 
 
 def _create_host_id(path: Path, host_id: str) -> str:
