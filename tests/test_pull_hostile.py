@@ -20,7 +20,7 @@ import sys
 import tarfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,6 +32,7 @@ from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
 from solar_host.resources.probes import Usage
 from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.loopback_http import LoopbackHTTP
 from tests.test_model_store import GB, FakeDisk, make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
@@ -39,38 +40,17 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback server
 MB = 1 << 20
 
 
-class HostileRegistry:
+class HostileRegistry(LoopbackHTTP):
     """The OCI distribution API's two GET routes, serving dicts; `handlers` override a path."""
 
     def __init__(self) -> None:
         self.manifests: dict[tuple[str, str], bytes] = {}
         self.blobs: dict[str, bytes] = {}
         self.handlers: dict[str, object] = {}
-        reg = self
+        self.serve(head=True)
 
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self) -> None:
-                reg._handle(self)
-
-            def do_HEAD(self) -> None:
-                reg._handle(self)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def handle(self, request: BaseHTTPRequestHandler) -> None:
+        self._handle(request)
 
     def add_blob(self, data: bytes) -> str:
         d = "sha256:" + hashlib.sha256(data).hexdigest()

@@ -99,7 +99,7 @@ def refused(h: HostProc, path: Path) -> str:
 
 
 def adopted(h: HostProc, iid: str, pid: int) -> None:
-    h.start()
+    h.start(timeout=60)
     with h.client() as c:
         inst = c.get(f"/instances/{iid}").json()
     assert inst["status"] == "running" and inst["pid"] == pid, inst

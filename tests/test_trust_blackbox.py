@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
+from tests.test_state_damage import adopted, refused
 
 REFUSAL = "cannot use state file"
 
@@ -56,30 +56,6 @@ def running_then_killed(h: HostProc) -> tuple[str, int]:
         time.sleep(0.05)
     h.kill()
     return iid, pid
-
-
-def refused(h: HostProc, path: Path) -> str:
-    """The host exits 1 within the bound, one refusal line naming `path`, no traceback."""
-    before = len(h.log())
-    h.start(wait=False)
-    assert h.proc is not None
-    try:
-        code = h.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the host neither refused nor exited on {path}:\n{h.log()}")
-    out = h.log()[before:]
-    lines = [ln for ln in out.splitlines() if REFUSAL in ln]
-    assert code == 1, out
-    assert len(lines) == 1 and str(path) in lines[0], out
-    assert "Traceback" not in out
-    return lines[0]
-
-
-def adopted(h: HostProc, iid: str, pid: int) -> None:
-    h.start(timeout=60)
-    with h.client() as c:
-        inst = c.get(f"/instances/{iid}").json()
-    assert inst["status"] == "running" and inst["pid"] == pid, inst
 
 
 def _fifo(path: Path) -> Callable[[], None]:
