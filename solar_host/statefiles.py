@@ -8,6 +8,8 @@ Three rules every state file follows:
 - Every write keeps the version it replaces as `<file>.prev`, the last good copy. The file being
   replaced is always one this host read and parsed, or wrote itself, so the copy is good. It is a
   hard link to the old inode (files are only ever replaced, never written in place): no copy.
+  The host only ever makes a last good copy as a regular file, so one that is a symlink was put
+  there from outside: it is replaced, never written or chmod-ed through (it may point anywhere).
 - A file that cannot be read or parsed is refused, never replaced: `StateFileError` names the
   file, the error and the last good copy, and the host stops before anything writes.
   `solar-host restore-state` puts the last good copies back (see restore.py).
@@ -142,12 +144,25 @@ def sweep_temp_files(path: Path) -> None:
             tmp.unlink()
 
 
+PREV_SUFFIX = ".prev"
+
+
 def tighten_mode(path: Path, mode: int = PRIVATE) -> None:
-    """Clear permission bits beyond `mode` on an existing file or directory (logged)."""
+    """Clear permission bits beyond `mode` on an existing file or directory (logged).
+
+    A state file that is a symlink is tightened where it points (an operator's CONFIG_FILE
+    linked to a persistent disk). A last good copy (`<file>.prev`) is never followed: the host
+    makes it only as a regular file, and a link there could make a root host chmod any file of
+    the machine (`config.json.prev -> /etc/passwd`) at every start."""
+    follow = not path.name.endswith(PREV_SUFFIX)
     try:
-        current = stat.S_IMODE(path.stat().st_mode)
+        st = os.stat(path, follow_symlinks=follow)
     except OSError:
         return
+    if stat.S_ISLNK(st.st_mode):
+        log.warning("%s is a symbolic link, not a last good copy the host wrote; left alone", path)
+        return
+    current = stat.S_IMODE(st.st_mode)
     if current & ~mode:
         try:
             os.chmod(path, current & mode)
@@ -175,15 +190,22 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_write_bytes(
-    path: Path, data: bytes, mode: int = 0o644, *, keep_previous: bool = False
+    path: Path,
+    data: bytes,
+    mode: int = 0o644,
+    *,
+    keep_previous: bool = False,
+    follow_link: bool = True,
 ) -> None:
     """Write `data` to `path` so that readers see the old or the new file, never a mix.
 
     With `keep_previous`, the file being replaced becomes `<path>.prev` first. A symlink is
     written through: the temp file, the rename and `.prev` are in its target's directory
-    (renaming over the link itself would replace it with a regular file).
+    (renaming over the link itself would replace it with a regular file). With
+    `follow_link=False` (a last good copy) a symlink at `path` is replaced, not written through.
     """
-    path = real_file(path)
+    if follow_link:
+        path = real_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -213,13 +235,37 @@ def _link_previous(path: Path) -> None:
     except FileNotFoundError:
         return  # nothing to keep: the first write
     except OSError as err:
-        # A filesystem without hard links: copy instead (the previous write's bytes).
+        # A filesystem without hard links (or an immutable file): copy instead (the previous
+        # write's bytes). Into `prev` itself: a symlink there is replaced, not written through.
         if err.errno not in (1, 18, 38, 95):  # EPERM, EXDEV, ENOSYS, EOPNOTSUPP
             raise
-        with contextlib.suppress(FileNotFoundError):
-            atomic_write_bytes(prev, path.read_bytes(), stat.S_IMODE(path.stat().st_mode))
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                atomic_write_bytes(
+                    prev,
+                    path.read_bytes(),
+                    stat.S_IMODE(path.stat().st_mode),
+                    follow_link=False,
+                )
+        except OSError as copy_err:
+            raise _prev_error(copy_err, prev) from copy_err
         return
-    os.replace(link_tmp, prev)
+    try:
+        os.replace(link_tmp, prev)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(link_tmp)
+        raise _prev_error(err, prev) from err
+
+
+def _prev_error(err: OSError, prev: Path) -> OSError:
+    """The error of a write that could not keep its last good copy, naming the copy: what is
+    in its way (a directory, an immutable file) is not the state file the caller names."""
+    what = err.strerror or str(err)
+    return OSError(
+        err.errno,
+        f"{what}: cannot keep the last good copy at {prev} (remove what is in its place)",
+    )
 
 
 class GroupCommit:
@@ -287,7 +333,10 @@ def parse_api_key(path: Path, raw: bytes) -> str:
 
 
 def _copy_key(prev: Path) -> str | None:
-    """The key held by the last good copy; None when there is none or it does not parse."""
+    """The key held by the last good copy; None when there is none, it does not parse, or it is
+    a symlink (the host never makes one: what it points to is no copy of the key)."""
+    if os.path.islink(prev):
+        return None
     try:
         return parse_api_key(prev, read_regular(prev))
     except (OSError, StateFileError):
@@ -332,7 +381,7 @@ def read_api_key(path: Path) -> str | None:
             log.warning("the last good copy %s of the API key cannot be used; left unchanged", prev)
         return key
     with contextlib.suppress(OSError):
-        atomic_write_bytes(prev, raw, PRIVATE)
+        atomic_write_bytes(prev, raw, PRIVATE, follow_link=False)
     return key
 
 
@@ -340,4 +389,6 @@ def store_api_key(path: Path, key: str) -> None:
     data = (key + "\n").encode()
     atomic_write_bytes(path, data, PRIVATE)
     with contextlib.suppress(OSError):
-        atomic_write_bytes(last_good_path(path), data, PRIVATE)
+        # Never through a symlink at the copy: a dangling `api_key.prev -> /elsewhere/x` had
+        # the generated key written to /elsewhere/x.
+        atomic_write_bytes(last_good_path(path), data, PRIVATE, follow_link=False)
