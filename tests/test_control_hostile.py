@@ -255,3 +255,29 @@ async def test_a_crashed_intent_replica_reaches_control_after_its_settle_window(
         listed = (await client.get(host.url + "/instances")).json()
     listed = listed["instances"] if isinstance(listed, dict) else listed
     assert [i["status"] for i in listed] == ["failed"]  # control owns its recovery (ruling 6)
+
+
+async def test_events_of_unknown_or_reserved_names_are_refused_not_obeyed(hostile):
+    """A command name the host does not know is answered as an error naming it (it was an empty
+    ack, as if done); an event named like Socket.IO's own moments (connect, disconnect) is
+    refused as a packet, never run as that moment: `disconnect` closed the link, `connect`
+    raised in the host's handler and left the call unanswered."""
+    server, host = hostile
+    sid = await registered(server)
+    for name in ("rm_rf", "create_instances", "__init__"):
+        answer = await server.call(name, {"instance_id": "x"}, within_s=30)
+        assert answer["ok"] is False and answer["status"] == 400, answer
+        assert answer["error"]["code"] == "unknown_command" and name in answer["detail"], answer
+    for name in ("connect", "disconnect", "connect_error"):
+        answer = await server.call(name, {"x": 1}, within_s=30)
+        assert answer["ok"] is False and answer["status"] == 400, answer
+        assert "refused" in answer["detail"] and name in answer["detail"], answer
+    for name in ("disconnect", "connect"):
+        await server.emit(name, None, sid=sid)  # no ack wanted: still never obeyed
+    # The same session carries on: a real command still runs on it, no reconnect happened.
+    probe = await server.call("stop_instance", {"instance_id": "none"}, within_s=30)
+    assert probe["error"]["code"] == "not_found"
+    n = len(server.events("host_health"))
+    await server.wait_event("host_health", count=n + 1, within_s=10)
+    assert server.only_sid() == sid and len(server.connects) == 1
+    assert "Traceback" not in host.log() and "never retrieved" not in host.log()

@@ -257,6 +257,7 @@ class ControlLink:
                 "busy": self.commands.refused_busy,
                 "payload_too_large": self.commands.refused_size,
                 "not_registered": self.refused_unregistered,
+                "unknown": self.commands.refused_unknown,
             },
             "ignored_fields": self.ignored_fields,
             "refused_packets": self.refused_packets,
@@ -543,6 +544,13 @@ class ControlLink:
         sio.on("rejected", on_rejected, namespace=NAMESPACE)
         for name in COMMANDS:
             sio.on(name, self._command_handler(name, session), namespace=NAMESPACE)
+
+        async def on_unknown(name: str, *_: Any) -> dict[str, Any]:
+            # Without it an event of no known name was dropped: a call got an empty ack, as if
+            # the command had been done.
+            return await self.commands.run(name, None)
+
+        sio.on("*", on_unknown, namespace=NAMESPACE)
 
         async def on_refused(what: Any = None, *_: Any) -> dict[str, Any]:
             self.refused_packets += 1

@@ -131,13 +131,15 @@ class CommandRunner:
         self.in_flight = 0
         self.refused_busy = 0
         self.refused_size = 0
+        self.refused_unknown = 0
         # Creates that named an id, while they run: a retry of one waits for its answer.
         self._creating: dict[str, asyncio.Future[dict[str, Any]]] = {}
 
     async def run(self, name: str, data: Any) -> dict[str, Any]:
         """Run one command and return the ack body. Never raises."""
         if name not in COMMANDS:
-            return failure(400, f"Unknown command: {name}")
+            self.refused_unknown += 1
+            return failure(400, f"Unknown command: {name[:100]!r}", code="unknown_command")
         size = payload_size(data, self.max_bytes)
         if size > self.max_bytes:
             self.refused_size += 1

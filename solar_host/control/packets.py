@@ -9,9 +9,14 @@ turn against the host:
 - an event whose JSON cannot be decoded (nested past the parser's recursion limit) raised in
   the library before any host code ran, so the command got no answer at all.
 
-The contract has no binary events. `ControlPacket` turns both into an ordinary event named
-REFUSED, with the packet's ack id kept, so the host answers it (a 400, like REST) and the link
-goes on. Binary frames that arrive anyway are refused the same way, one by one.
+- an event named like one of Socket.IO's own (`connect`, `disconnect`, `connect_error`) ran
+  the host's handler for that moment of the connection: `disconnect` closed the link, and
+  `connect` called its handler with arguments it does not take (no answer, an error logged);
+  an event with no name (an empty list) raised in the library.
+
+The contract has no binary events. `ControlPacket` turns all of these into an ordinary event
+named REFUSED, with the packet's ack id kept, so the host answers it (a 400, like REST) and the
+link goes on. Binary frames that arrive anyway are refused the same way, one by one.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any
 from socketio import packet
 
 REFUSED = "solar_host:refused"
+# Names python-socketio gives to moments of the connection; as an event from control they are
+# an impersonation, never a message.
+RESERVED_EVENTS = frozenset({"connect", "connect_error", "disconnect", "__disconnect_final"})
 
 
 class ControlPacket(packet.Packet):
@@ -36,6 +44,12 @@ class ControlPacket(packet.Packet):
             return self._refuse(f"a packet that cannot be decoded ({why})")
         if count or self.packet_type in (packet.BINARY_EVENT, packet.BINARY_ACK):
             return self._refuse("a binary event, which this link does not use")
+        if self.packet_type == packet.EVENT:
+            name = self.data[0] if isinstance(self.data, list) and self.data else None
+            if not isinstance(name, str):
+                return self._refuse("an event without a name")
+            if name in RESERVED_EVENTS:
+                return self._refuse(f"an event named {name!r}, a name Socket.IO keeps for itself")
         return 0
 
     def _refuse(self, what: str) -> int:
