@@ -88,8 +88,13 @@ def _copy_count(src: int, dst: int, start: int, end: int | None) -> tuple[int, i
     return pos, newlines
 
 
-def rotate_appended(path: Path, read_upto: int, keep: int, chase: int) -> Rotation:
-    """Rotate a file another process appends to into `<path>.1` (see the module doc)."""
+def rotate_appended(
+    path: Path, read_upto: int, keep: int, chase: int, max_copy: int = 0
+) -> Rotation:
+    """Rotate a file another process appends to into `<path>.1` (see the module doc).
+    `max_copy` (0: no bound): `.1` gets at most the last `max_copy` bytes of what was read
+    (the part before them was skipped by the reader: LogFollower.skip_backlog), so no
+    generation is ever larger than a file's bound. `newlines` counts what `.1` got."""
     target = shift_generations(path, max(1, keep))
     assert target is not None
     src = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -101,7 +106,8 @@ def rotate_appended(path: Path, read_upto: int, keep: int, chase: int) -> Rotati
             # Collapse needs whole blocks and must leave at least one byte.
             length = min(read_upto, size - 1) // block * block
             if length > 0:
-                _, newlines = _copy_count(src, dst, 0, length)
+                start = max(0, length - max_copy) if max_copy else 0
+                _, newlines = _copy_count(src, dst, start, length)
                 try:
                     _collapse(src, length)
                     return Rotation(newlines, length)
@@ -112,12 +118,13 @@ def rotate_appended(path: Path, read_upto: int, keep: int, chase: int) -> Rotati
                 os.ftruncate(dst, 0)
             # Copy until the file stops growing (or `chase` past what was read), then
             # truncate at once: writes in between are the only ones that can be lost.
-            end, newlines = _copy_count(src, dst, 0, read_upto + chase)
+            start = max(0, read_upto - max_copy) if max_copy else 0
+            end, newlines = _copy_count(src, dst, start, read_upto + chase)
             os.ftruncate(src, 0)
         finally:
             os.close(dst)
         return (
-            Rotation(newlines, read_upto, read_upto, end)
+            Rotation(newlines, read_upto, read_upto - start, end - start)
             if end > read_upto
             else Rotation(newlines, read_upto)
         )

@@ -34,6 +34,13 @@ HOT_POLL_S = 0.02  # read interval while a log is busy (no inotify watch then)
 # Where a rotation has to copy-truncate (no COLLAPSE_RANGE), how far its copy chases a
 # backend that keeps writing (4 x LOG_FILE_MAX_BYTES, at least this) before it truncates.
 ROTATE_CHASE_MIN_BYTES = 16 * 1024 * 1024
+# What a stop (or a failed start) still reads of a backlog the follower never caught up with,
+# on the event loop: the newest part of it; the rest is skipped with a line saying so.
+FLUSH_MAX_BYTES = 4 * 1024 * 1024
+# The unread part of a log the follower tolerates before it skips (or LOG_FILE_MAX_BYTES,
+# when larger): a short burst is read whole.
+BACKLOG_MIN_BYTES = 64 * 1024 * 1024
+SKIPPED_LINE = "[log: {n} bytes skipped: the backend wrote faster than the host can follow]"
 
 
 class LogEntry(NamedTuple):
@@ -245,6 +252,7 @@ class LogFollower:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.lines_read = 0
+        self.skipped_bytes = 0
         self.first_line_at: float | None = None
         self._stopped = False
         # Off while a backend starts (its ready line should be seen at once); the supervisor
@@ -278,6 +286,11 @@ class LogFollower:
             got = 0
             # One chunk at a time, yielding between chunks, so a flood cannot hold the loop.
             while True:
+                if self.max_file_bytes:
+                    # Never more unread than a file's worth (BACKLOG_MIN_BYTES at least): the
+                    # rest is skipped (and rotated away like what was read), so the file
+                    # stays bounded however fast the backend writes.
+                    self.skip_backlog(max(self.max_file_bytes, BACKLOG_MIN_BYTES))
                 n = self.read_chunk()
                 got += n
                 if n < READ_CHUNK or (self.max_file_bytes and self.offset >= self.max_file_bytes):
@@ -311,6 +324,8 @@ class LogFollower:
                 self.offset,
                 self.generations,
                 max(ROTATE_CHASE_MIN_BYTES, 4 * self.max_file_bytes),
+                # All that was read, unless a skip made it more (then its newest part only).
+                self.max_file_bytes + READ_CHUNK,
             )
         )
         self._rotation = fut
@@ -339,10 +354,36 @@ class LogFollower:
         if self.on_rotate is not None:
             self.on_rotate(done.newlines)
 
-    def read_available(self) -> None:
-        """Read everything written so far and deliver the complete lines."""
+    def read_available(self, max_bytes: int = FLUSH_MAX_BYTES) -> None:
+        """Read what was written so far and deliver the complete lines: of a backlog over
+        `max_bytes`, only its newest `max_bytes` (the rest is skipped, and a line says so).
+        Bounded: it runs on the event loop."""
+        self.skip_backlog(max_bytes)
         while self.read_chunk() == READ_CHUNK:
             pass
+
+    def skip_backlog(self, keep: int) -> int:
+        """Skip what is unread beyond the newest `keep` bytes of the file; deliver a line
+        saying how much (the rest of the line the skip lands in is dropped). Returns the
+        bytes skipped. A backend writing faster than the host reads would otherwise grow its
+        file without bound (only what was read is rotated away) and hold every stop while
+        the backlog is read."""
+        if self._fd < 0 or self._rotation is not None or self._drain is not None:
+            return 0
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return 0
+        skip = size - self.offset - keep
+        if skip <= 0:
+            return 0
+        self.offset += skip
+        self._partial = b""
+        self._skipping = True  # what is left of the line the skip lands in
+        self.skipped_bytes += skip
+        self.lines_read += 1
+        self.on_lines([SKIPPED_LINE.format(n=skip)])
+        return skip
 
     def read_chunk(self) -> int:
         """Deliver the lines of one chunk; returns the bytes read (READ_CHUNK: more may wait)."""
@@ -421,7 +462,9 @@ class LogFollower:
                 await self._task
             self._task = None
         if flush:
-            self.read_available()
+            self.skip_backlog(FLUSH_MAX_BYTES)
+            while self.read_chunk() == READ_CHUNK:
+                await asyncio.sleep(0)  # the API goes on meanwhile
             if self._partial:
                 rest, self._partial = self._partial, b""
                 self.lines_read += 1

@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,13 @@ class BackendProcess:
     create_time: float = 0.0
     cmdline: list[str] = field(default_factory=list)  # for display, never for identity
     popen: subprocess.Popen[bytes] | None = None
+    # Its API port, and the inodes of the sockets listening there that were proved its own
+    # (note_listener): a process holding one of them got it from the backend, whatever it
+    # did to its environment, session or parent since.
+    port: int | None = None
+    sockets: frozenset[int] = frozenset()
+    # What a stop or crash clean-up could not end, in words (for the instance's message).
+    left_behind: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -133,21 +140,102 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def _strays(proc: BackendProcess) -> list[Identity]:
     """Processes of the backend that a group signal may miss: workers that called setsid(),
-    and the group's members once its leader is gone. Blocking."""
-    if proc.marker is None:
+    the group's members once its leader is gone, and what the environment marker cannot find
+    (a process that overwrote its exec'd environment, as setproctitle does for a long title,
+    or that exec'd with an empty one). Blocking.
+
+    Each is the backend's beyond doubt: it carries the marker, or lives in the backend's
+    session (a session id is never reused while a member lives), or descends from one of
+    those by its parent chain, or holds a listening socket proved the backend's own."""
+    found: dict[int, Identity] = {}
+    if proc.marker is not None:
+        # Members of the backend's group (one whose leader died keeps its id) that carry the
+        # marker are among the carriers too: one scan finds them all.
+        found.update((i.pid, i) for i in ownership.carriers(proc.marker))
+    found.update((i.pid, i) for i in _kin(proc, set(found)))
+    found.pop(proc.pid, None)
+    return list(found.values())
+
+
+def _kin(proc: BackendProcess, known: set[int]) -> list[Identity]:
+    """The backend's session, the descendants of it and of `known` (marker carriers), and the
+    holders of its proved listening sockets, from one pass over /proc. Blocking."""
+    root = proc.identity
+    root_alive = ownership.is_same(root)
+    # A live process with the backend's pid that is not the backend: the pid was reused, so
+    # the session of that id (and that process's children) are someone else's.
+    reused = not root_alive and ownership.identity_of(root.pid) is not None
+    table: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, sid, start ticks)
+    for pid in ownership._pids():
+        fields = ownership._stat(pid)
+        if not fields or fields[0] in (b"Z", b"X"):
+            continue
+        with contextlib.suppress(ValueError, IndexError):
+            table[pid] = (int(fields[1]), int(fields[3]), int(fields[19]))
+    members: set[int] = set()
+    if not reused:
+        members = {
+            pid
+            for pid, (_ppid, sid, ticks) in table.items()
+            if sid == root.pid and ticks >= root.start_ticks
+        }
+    # Descendants by their parent chain: a child never starts before its parent.
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _sid, _ticks) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    todo = [*members, *(p for p in known if p in table)]
+    if root_alive:
+        todo.append(root.pid)
+    seen = set(todo)
+    while todo:
+        parent = todo.pop()
+        parent_ticks = root.start_ticks if parent == root.pid else table.get(parent, (0, 0, 0))[2]
+        for child in children.get(parent, ()):
+            if child not in seen and table[child][2] >= parent_ticks:
+                seen.add(child)
+                todo.append(child)
+    if proc.port is not None and proc.sockets:
+        live = ownership.listeners().get(proc.port, set()) & proc.sockets
+        if live:
+            seen.update(p for p in table if p not in seen and ownership._holds_socket(p, live))
+    seen.discard(root.pid)
+    seen.discard(os.getpid())
+    return [ownership.Identity(root.boot_id, pid, table[pid][2]) for pid in seen if pid in table]
+
+
+def note_listener(proc: BackendProcess, port: int) -> None:
+    """Remember `port` as the backend's API port and the sockets listening there that are its
+    own (held by it or a process of its session): proved, so that whoever holds one later is
+    found by it (_kin). Blocking (/proc reads)."""
+    proc.port = port
+    inodes = ownership.listener_inodes(port)
+    if not inodes:
+        return
+    holders = [proc.pid]
+    with contextlib.suppress(OSError):
+        holders += [m for m in ownership.session_members(os.getsid(proc.pid)) if m != proc.pid]
+    own = {i for i in inodes if any(ownership._holds_socket(p, {i}) for p in holders)}
+    proc.sockets = frozenset(own)
+
+
+def _still_held(proc: BackendProcess) -> list[str]:
+    """Who listens on the backend's port after everything of it was ended (`pid (name)`).
+    Blocking."""
+    if proc.port is None:
         return []
-    # Members of the backend's group (one whose leader died keeps its id) that carry the
-    # marker are among the carriers too: one scan finds them all.
-    return [ident for ident in ownership.carriers(proc.marker) if ident.pid != proc.pid]
+    return [ownership.describe(p) for p in ownership.port_holders(proc.port)]
 
 
-def signal_tree(proc: BackendProcess, sig: int) -> None:
-    """Signal the backend's process group and every process carrying its marker. Blocking."""
+def signal_tree(proc: BackendProcess, sig: int) -> list[Identity]:
+    """Signal the backend's process group and every other process of it (_strays); returns
+    those others. Blocking."""
     if proc.alive():
         # The leader is alive, so its group id (its pid, from start_new_session) is ours.
         _signal_group(proc.pid, sig)
-    for ident in _strays(proc):
+    strays = _strays(proc)
+    for ident in strays:
         _signal(ident, sig)
+    return strays
 
 
 def kill_leftovers(proc: BackendProcess) -> None:
@@ -218,18 +306,23 @@ async def terminate(proc: BackendProcess, grace_s: float) -> int | None:
     """End the backend's whole tree: SIGTERM, `grace_s` for the backend to exit, then SIGKILL
     for the backend and every process of its group or carrying its marker. Returns the exit
     code when known."""
-    await asyncio.to_thread(signal_tree, proc, signal.SIGTERM)
+    # Found while the backend lives: a worker that left its session is then still its child
+    # (once the backend is gone it is init's, and only its sockets could tell).
+    strays = await asyncio.to_thread(signal_tree, proc, signal.SIGTERM)
     if not await wait_exit(proc, grace_s):
         log.warning("backend pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, grace_s)
-        await asyncio.to_thread(signal_tree, proc, signal.SIGKILL)
+        strays += await asyncio.to_thread(signal_tree, proc, signal.SIGKILL)
         await wait_exit(proc, 10.0)
-    await end_tree_leftovers(proc)
+    await end_tree_leftovers(proc, strays)
     return proc.exit_code()
 
 
-async def end_tree_leftovers(proc: BackendProcess) -> None:
-    """After the backend itself exited (stopped or crashed): no worker of it may survive."""
-    strays = await asyncio.to_thread(_strays, proc)
+async def end_tree_leftovers(proc: BackendProcess, known: Sequence[Identity] = ()) -> None:
+    """After the backend itself exited (stopped or crashed): no worker of it may survive.
+    What could not be ended, and a port someone still listens on, are logged and kept in
+    `proc.left_behind`: the next start is never placed on a port still held, and the operator
+    is told which process holds it."""
+    strays = list({i.pid: i for i in [*known, *await asyncio.to_thread(_strays, proc)]}.values())
     if proc.alive():
         _signal_group(proc.pid, signal.SIGKILL)
     await asyncio.to_thread(end_identities, strays)
@@ -237,6 +330,22 @@ async def end_tree_leftovers(proc: BackendProcess) -> None:
     if left:
         log.warning(
             "workers %s of backend pid %s survived SIGKILL", [i.pid for i in left], proc.pid
+        )
+        proc.left_behind.append(
+            "workers " + ", ".join(str(i.pid) for i in left) + " survived SIGKILL"
+        )
+    held = await asyncio.to_thread(_still_held, proc)
+    if held:
+        log.warning(
+            "port %s of backend pid %s is still listened on by %s after it ended: not a "
+            "process the host can prove its own, so it was not signalled",
+            proc.port,
+            proc.pid,
+            ", ".join(held),
+        )
+        proc.left_behind.append(
+            f"port {proc.port} is still held by {', '.join(held)}, which the host could not "
+            "prove its own and did not stop"
         )
 
 

@@ -500,6 +500,7 @@ class Supervisor:
             self.m.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
         self.proc = proc
+        proc.port = port
         seq_base = self.ring.next_seq
         self.stored.process = ProcessRecord(
             pid=proc.pid,
@@ -595,6 +596,8 @@ class Supervisor:
         another program on the port (one that bound it first) proves nothing."""
         while True:
             if await asyncio.to_thread(ownership.owns_port, proc.identity, port, proc.marker):
+                # Its sockets from now on: whoever holds one later is of its tree (process.py).
+                await asyncio.to_thread(procs.note_listener, proc, port)
                 return
             if not proc.alive():
                 code = proc.exit_code()
@@ -717,6 +720,8 @@ class Supervisor:
             if code is not None
             else "Process exited unexpectedly"
         )
+        if proc.left_behind:
+            reason += "; " + "; ".join(proc.left_behind)
         log.error("backend of %s (%s) crashed: %s", self.id, self.instance.config.alias, reason)
         self.set_status(
             S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
@@ -901,11 +906,13 @@ class Supervisor:
         await self.m.persist()
         self._cancel(self.metrics_task)
         self._cancel(self.watch_task)
+        left: list[str] = []
         if proc is not None:
             code = await procs.terminate(proc, self.m.settings.stop_grace_s)
             self.last_exit_code = code
+            left = proc.left_behind
         await self._stop_follower()
-        await self._record_stopped()
+        await self._record_stopped(left)
         return True
 
     async def detach(self) -> None:
@@ -1100,6 +1107,8 @@ class Supervisor:
                     rec.port,
                 )
         if proc is None or rec is None:
+            if rec is not None:
+                await self._end_remains(rec)
             self.stored.process = None
             return "gone"
         self.proc = proc
@@ -1150,6 +1159,18 @@ class Supervisor:
         )
         return "starting"
 
+    async def _end_remains(self, rec: ProcessRecord) -> None:
+        """The recorded backend is gone (it died while no host watched): end what is left of
+        its session (workers whose marker a changed process title wiped), and say who still
+        holds its port. Processes carrying the marker are the boot sweep's."""
+        if rec.boot_id != ownership.boot_id() or rec.start_ticks is None:
+            return
+        ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
+        gone = procs.BackendProcess(ident, None, port=rec.port)
+        await procs.end_tree_leftovers(gone)
+        if gone.left_behind:
+            self.stored.instance.error_message = "; ".join(gone.left_behind)
+
     async def _adopted_loading(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
         try:
             return await self._attach_adopted(proc, rec, loading=True)
@@ -1163,6 +1184,10 @@ class Supervisor:
         check health once (running; a slow answer is logged, never a reason to replace it)."""
         backend = self.backend()
         config = self.instance.config
+        if not loading:
+            await asyncio.to_thread(procs.note_listener, proc, rec.port)
+        else:
+            proc.port = rec.port
         log_path = Path(rec.log_file) if rec.log_file else None
         if log_path is not None:
             # Continue the log where it is: seq = the attempt's base + lines already in the file.
@@ -1250,13 +1275,17 @@ class Supervisor:
         self._watch(proc)
         return self.instance
 
-    async def _record_stopped(self) -> None:
-        """The backend is gone: forget its process and port, and say so on disk."""
+    async def _record_stopped(self, left_behind: list[str] | None = None) -> None:
+        """The backend is gone: forget its process and port, and say so on disk. What of it
+        the stop could not end (`left_behind`) is the instance's message."""
         self.proc = None
         self.stored.process = None
         self.stored.restart_due = False  # stopped: boot starts it if it is still wanted
         self.m.ports.release(self.instance.port)
-        self.set_status(S.STOPPED, reason="stopped", pid=None, port=None, started_at=None)
+        message = {"error_message": "stopped, but " + "; ".join(left_behind)} if left_behind else {}
+        self.set_status(
+            S.STOPPED, reason="stopped", pid=None, port=None, started_at=None, **message
+        )
         await self.m.persist()
 
     async def _finish_stop(self) -> None:
