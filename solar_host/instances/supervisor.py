@@ -51,6 +51,9 @@ S = InstanceStatus
 
 T = TypeVar("T")
 LISTENER_CHECK_S = 0.05  # between checks that the ready port is the backend's own
+# How long a backend that was running when the host went away has, once re-adopted, to show
+# its listening socket again before it is handled as a crash (it is not loading: it was ready).
+ADOPTED_RELISTEN_S = 10.0
 METRICS_POLL_S = 2.0
 
 
@@ -104,6 +107,11 @@ def backend_age_s(proc: procs.BackendProcess, rec: ProcessRecord) -> float:
             spawned = datetime.fromisoformat(rec.spawned_at)
             return max((datetime.now(UTC) - spawned).total_seconds(), 0.0)
     return 0.0
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Supervisor:
@@ -957,8 +965,14 @@ class Supervisor:
                 return None, "it exited (or its pid now belongs to another process)"
             if rec.marker is not None and rec.marker != expected:
                 return None, "it was spawned for another host directory"
-            if rec.marker is not None and not ownership.is_ours(rec.pid, rec.marker):
-                return None, "it does not carry this host's marker"
+            # The identity is the proof: the kernel never gives that boot id, pid and start
+            # time to another process. The marker finds backends a record does not name; a
+            # recorded one that no longer shows it (its environment wiped by a process title,
+            # or an exec with an emptied environment) is still the process spawned, and ending
+            # it would load its model a second time. Only another marker is refused.
+            live = ownership.marker_of(rec.pid) if rec.marker is not None else None
+            if live is not None and live != rec.marker:
+                return None, "it carries another marker"
             return procs.BackendProcess(ident, rec.marker, rec.create_time, rec.cmdline), ""
         # A record from before boot ids and markers: the start time, and the command line it
         # was spawned with, which is the best such a record can offer.
@@ -1083,8 +1097,10 @@ class Supervisor:
         """
         rec = self.stored.process
         proc: procs.BackendProcess | None = None
+        recorded = False  # the recorded process itself (not a marker carrier found without it)
         if rec is not None:
             proc, why = await asyncio.to_thread(self.recorded_process)
+            recorded = proc is not None
             if proc is None:
                 log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
             else:
@@ -1146,14 +1162,19 @@ class Supervisor:
             log.info("re-adopted backend pid %s of %s on port %s", proc.pid, self.id, rec.port)
             return "running"
         # Still loading (or not listening yet): awaited in the background under the deadline
-        # of the start that spawned it, never killed and loaded again.
+        # of the start that spawned it, never killed and loaded again. One that was running
+        # was ready already: it gets a moment to show its socket, then it is a crash.
+        was_ready = recorded and inst.status == S.RUNNING
         self.set_status(S.STARTING, reason="adopted", started_at=None, **fields)
         self._ready = asyncio.Event()
         # Held before boot starts anything else, as the start that spawned it held it.
         await hold_adopted(self)
         self.start_task = asyncio.create_task(
-            self._adopted_loading(proc, rec), name=f"adopt:{self.id}"
+            self._adopted_loading(proc, rec, was_ready=was_ready), name=f"adopt:{self.id}"
         )
+        # Its failure is logged where it fails and answered to a start that joined it: not
+        # asyncio's "exception was never retrieved" traceback when none did.
+        self.start_task.add_done_callback(_retrieved)
         log.info(
             "re-adopted backend pid %s of %s on port %s, still loading", proc.pid, self.id, rec.port
         )
@@ -1166,19 +1187,32 @@ class Supervisor:
         if rec.boot_id != ownership.boot_id() or rec.start_ticks is None:
             return
         ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
+        if await asyncio.to_thread(ownership.is_same, ident):
+            # Not gone: the recorded process itself, refused (recorded_process says why). It
+            # is ended with the rest, and said so: "not adopted" alone reads as left running.
+            log.warning(
+                "ending recorded backend pid %s of %s, which was not adopted", rec.pid, self.id
+            )
         gone = procs.BackendProcess(ident, None, port=rec.port)
         await procs.end_tree_leftovers(gone)
         if gone.left_behind:
             self.stored.instance.error_message = "; ".join(gone.left_behind)
 
-    async def _adopted_loading(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
+    async def _adopted_loading(
+        self, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
+    ) -> Any:
         try:
-            return await self._attach_adopted(proc, rec, loading=True)
+            return await self._attach_adopted(proc, rec, loading=True, was_ready=was_ready)
         finally:
             end_start(self)  # its memory is in the probe's figures from now on, or gone
 
     async def _attach_adopted(
-        self, proc: procs.BackendProcess, rec: ProcessRecord, *, loading: bool
+        self,
+        proc: procs.BackendProcess,
+        rec: ProcessRecord,
+        *,
+        loading: bool,
+        was_ready: bool = False,
     ) -> Any:
         """Background half of an adoption: follow the log, then await readiness (loading) or
         check health once (running; a slow answer is logged, never a reason to replace it)."""
@@ -1213,9 +1247,11 @@ class Supervisor:
                     backend.health_path,
                 )
             return self.instance
-        return await self._await_adopted_ready(proc, rec)
+        return await self._await_adopted_ready(proc, rec, was_ready=was_ready)
 
-    async def _await_adopted_ready(self, proc: procs.BackendProcess, rec: ProcessRecord) -> Any:
+    async def _await_adopted_ready(
+        self, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
+    ) -> Any:
         settings = self.m.settings
         # The start that spawned it had START_DEADLINE_S in all, counted from its spawn: this
         # wait and the retries after it share what is left (monotonic from here on).
@@ -1224,6 +1260,11 @@ class Supervisor:
         # A few seconds at least, so a backend that became ready while the host was down is
         # still seen as ready.
         timeout = max(deadline - time.monotonic(), 5.0)
+        if was_ready:
+            # Not loading: the backend was ready before the host went away, so the deadline of
+            # its start says nothing (it showed a process that exec'd something else, or
+            # closed its socket, as "starting" for up to START_DEADLINE_S).
+            timeout = ADOPTED_RELISTEN_S
         backend = self.backend()
         config = self.instance.config
         try:
@@ -1236,6 +1277,11 @@ class Supervisor:
             self.proc = None
             self.stored.process = None
             self.m.ports.release(rec.port)
+            if was_ready:
+                await self._adopted_crashed(proc, rec, err)
+                raise StartFailed(
+                    self.id, self.instance.error_message or err.reason, None, self._tail()
+                ) from None
             # The start that spawned it had retries left: they are this adoption's, within
             # that start's deadline, as if the host had never restarted.
             retry = (
@@ -1274,6 +1320,28 @@ class Supervisor:
         self.m.persist_soon()
         self._watch(proc)
         return self.instance
+
+    async def _adopted_crashed(
+        self, proc: procs.BackendProcess, rec: ProcessRecord, err: AttemptFailed
+    ) -> None:
+        """A backend that was running when the host went away, re-adopted, and no longer
+        serving its port (ended already): a crash, under the restart policy as any other,
+        never a start that failed (which nothing restarts)."""
+        self.counters["crashes"] += 1
+        reason = (
+            f"Process stopped serving port {rec.port} while the host was away ({err.reason}); "
+            "it was ended"
+        )
+        if proc.left_behind:
+            reason += "; " + "; ".join(proc.left_behind)
+        log.error("re-adopted backend of %s (%s): %s", self.id, self.instance.config.alias, reason)
+        self.set_status(
+            S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
+        )
+        self.m.bus.publish(InstanceCrashed(self.id, None))
+        self._after_stop_hook()
+        self._schedule_restart()
+        await self.m.persist()
 
     async def _record_stopped(self, left_behind: list[str] | None = None) -> None:
         """The backend is gone: forget its process and port, and say so on disk. What of it
