@@ -37,6 +37,16 @@ def owner(p: psutil.Process) -> str:
         return "?"
 
 
+def _describe(pid: int) -> str:
+    """What a process is, for a failure message: its command line, state and stdout."""
+    try:
+        p = psutil.Process(pid)
+        out = os.readlink(f"/proc/{pid}/fd/1")
+        return f"{p.status()} ppid {p.ppid()} {p.cmdline()[:6]} stdout {out}"
+    except (psutil.Error, OSError) as err:
+        return f"gone or unreadable: {err!r}"
+
+
 def cfg(h: HostProc, alias: str, *fake: str) -> dict[str, Any]:
     return script_config(h.tmp, *fake, alias=alias)
 
@@ -75,7 +85,10 @@ def check_consistent(h: HostProc, insts: dict[str, dict[str, Any]]) -> list[str]
     for iid, pids in by_owner.items():
         inst = insts.get(iid)
         if inst is None or inst["status"] != "running":
-            problems.append(f"unmanaged backend(s) {pids} of {iid} ({inst and inst['status']})")
+            problems.append(
+                f"unmanaged backend(s) {pids} of {iid} ({inst and inst['status']}): "
+                f"{[_describe(pid) for pid in pids]}"
+            )
             for pid in pids:
                 psutil.Process(pid).kill()
         elif len(pids) > 1:
