@@ -728,6 +728,13 @@ class Supervisor:
             if code is not None
             else "Process exited unexpectedly"
         )
+        await self._record_crash(proc, reason, code)
+
+    async def _record_crash(
+        self, proc: procs.BackendProcess, reason: str, code: int | None
+    ) -> None:
+        """Say the backend crashed (`reason`, with what of it could not be ended), and restart
+        it under the crash policy."""
         if proc.left_behind:
             reason += "; " + "; ".join(proc.left_behind)
         log.error("backend of %s (%s) crashed: %s", self.id, self.instance.config.alias, reason)
@@ -1332,16 +1339,7 @@ class Supervisor:
             f"Process stopped serving port {rec.port} while the host was away ({err.reason}); "
             "it was ended"
         )
-        if proc.left_behind:
-            reason += "; " + "; ".join(proc.left_behind)
-        log.error("re-adopted backend of %s (%s): %s", self.id, self.instance.config.alias, reason)
-        self.set_status(
-            S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
-        )
-        self.m.bus.publish(InstanceCrashed(self.id, None))
-        self._after_stop_hook()
-        self._schedule_restart()
-        await self.m.persist()
+        await self._record_crash(proc, reason, None)
 
     async def _record_stopped(self, left_behind: list[str] | None = None) -> None:
         """The backend is gone: forget its process and port, and say so on disk. What of it
