@@ -67,6 +67,15 @@ def create(c: httpx.Client, h: HostProc, alias: str, *opts: str) -> tuple[str, P
     return r.json()["instance"]["id"], pids
 
 
+def running(c: httpx.Client, iid: str, what: str, within_s: float = 30) -> dict[str, Any]:
+    """The instance once it is running (after a restart or a re-adoption)."""
+    return wait_for(
+        lambda: (i := c.get(f"/instances/{iid}").json())["status"] == "running" and i,
+        within_s,
+        what,
+    )
+
+
 def start(c: httpx.Client, iid: str) -> dict[str, Any]:
     r = c.post(f"/instances/{iid}/start")
     assert r.status_code == 200, r.text
@@ -132,11 +141,7 @@ def test_what_a_backend_left_holding_its_port_while_no_host_ran_is_named(tmp_pat
         wait_for(lambda: not alive(inst["pid"]), 10, "the backend to die")
         h.start()
         with h.client() as c:
-            again = wait_for(
-                lambda: (i := c.get(f"/instances/{iid}").json())["status"] == "running" and i,
-                30,
-                "the restart at boot",
-            )
+            again = running(c, iid, "the restart at boot")
             assert again["port"] != inst["port"]
             assert alive(worker)
             wait_for(lambda: f"still listened on by {worker}" in h.log(), 10, "the host to name it")

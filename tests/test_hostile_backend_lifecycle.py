@@ -49,11 +49,7 @@ def test_a_recorded_backend_whose_environment_was_wiped_is_re_adopted_not_killed
         h.kill()
         h.start()
         with h.client() as c:
-            again = wait_for(
-                lambda: (i := c.get(f"/instances/{iid}").json())["status"] == "running" and i,
-                30,
-                "the re-adoption",
-            )
+            again = hb.running(c, iid, "the re-adoption")
             assert (again["pid"], again["port"]) == (first["pid"], first["port"])
             assert hb.alive(first["pid"]) and spawns(pids) == 1
             r = c.post(f"/instances/{iid}/stop")
@@ -270,11 +266,7 @@ def test_a_stranger_that_took_a_dead_backends_pid_and_port_is_neither_adopted_no
             wait_for(lambda: ownership.port_holders(first["port"]), 10, "the stranger to listen")
             h.start()
             with h.client() as c:
-                again = wait_for(
-                    lambda: (i := c.get(f"/instances/{iid}").json())["status"] == "running" and i,
-                    30,
-                    "the start at boot",
-                )
+                again = hb.running(c, iid, "the start at boot")
                 assert again["pid"] != stranger.pid and again["port"] != first["port"]
                 wait_for(lambda: f"still listened on by {stranger.pid}" in h.log(), 10, "its name")
                 c.post(f"/instances/{iid}/stop")

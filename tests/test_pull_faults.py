@@ -23,6 +23,7 @@ from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.hostile_peers import HostileHub, HostileOCI, PlainFiles
+from tests.fixtures.tmpfs import small_tmpfs
 from tests.test_model_store import make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
@@ -97,19 +98,8 @@ def registry():
 @pytest.fixture
 def tmpfs(tmp_path):
     """A real 6 MiB filesystem (tmpfs) mounted for the test; skipped where mounts are refused."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)],
-        capture_output=True,
-        timeout=30,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small-disk", "size=6m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 # --- hostile peers ---------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import os
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,30 +28,9 @@ import pytest
 
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
+from tests.fixtures.tmpfs import small_tmpfs
 
 STATE_FILES = ("config.json", "config.json.prev", "reservations.json", "reservations.json.prev")
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, options: str) -> Iterator[Path]:
-    """A tmpfs of `options` mounted at `path` for the block (unmounted in any case)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        done = subprocess.run(["umount", str(path)], capture_output=True, timeout=30)
-        if done.returncode != 0:  # still busy (a process killed just now): detach it
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
 
 
 def fill(directory: Path, what: str) -> list[Path]:
