@@ -25,8 +25,9 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from solar_host.libc import libc
+
 _FALLOC_FL_COLLAPSE_RANGE = 0x08
-_libc: ctypes.CDLL | None = None
 
 CUT_MARKER = " [line cut: longer than {limit} bytes]"
 
@@ -63,10 +64,7 @@ class Rotation(NamedTuple):
 
 
 def _collapse(fd: int, length: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    rc = _libc.fallocate(
+    rc = libc().fallocate(
         fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_longlong(0), ctypes.c_longlong(length)
     )
     if rc != 0:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from solar_host.backends.base import CACHE_VARS
+from solar_host.libc import libc as c_library
 
 log = logging.getLogger(__name__)
 
@@ -176,17 +177,12 @@ class ConfinementUnavailable(RuntimeError):
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-@functools.cache
 def abi_version() -> int:
     """Landlock's ABI version on this kernel, 0 where there is none (too old, or disabled)."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
-        version = _libc().syscall(
+        version = c_library().syscall(
             _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
         )
     except (OSError, AttributeError):
@@ -484,7 +480,7 @@ class Ruleset:
     @classmethod
     def build(cls, policy: AccessPolicy) -> Ruleset:
         """Raise OSError where the kernel refuses (no Landlock)."""
-        libc = _libc()
+        libc = c_library()
         handled = handled_access(abi_version(), policy.confine_writes)
         attr = _RulesetAttr(handled)
         fd = libc.syscall(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import glob
 import itertools
 import logging
@@ -23,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
+from solar_host.libc import libc as c_library
 from solar_host.log_limits import Rotation, cut_marker, generation_path, rotate_appended
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class InotifyHub:
         if self._fd >= 0:
             return True
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            libc = c_library()
             fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         except (OSError, AttributeError):
             return False

@@ -553,8 +553,9 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         try:
             import ctypes
 
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.sync_file_range
+            from solar_host.libc import libc
+
+            fn = libc().sync_file_range
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
             fn.restype = ctypes.c_int
             _sync_file_range = fn
