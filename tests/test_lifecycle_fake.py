@@ -544,3 +544,44 @@ async def test_an_alias_with_control_characters_is_refused_where_it_is_given(
     async with running_host(settings, backends=registry()) as h:
         listed = (await h.client.get("/instances")).json()
         assert [i["config"]["alias"] for i in listed] == ["old\x1bone"]
+
+
+async def test_a_failed_instance_says_when_the_host_tries_again(tmp_path: Path) -> None:
+    """ "failed" alone read as given up on: during a crash restart's backoff, and in the pause
+    between a start's attempts, the error says what comes next and when."""
+    s = host_settings(tmp_path, restart_backoff_s=1.5, max_retries=1, restart_max_in_window=5)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0.3", "--exit-code", "3"))
+        assert (await h.client.post(f"/instances/{iid}/start")).status_code == 200
+        seen = None
+        for _ in range(200):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "failed":
+                seen = inst["error_message"]
+                break
+            await asyncio.sleep(0.02)
+        assert seen is not None
+        assert "exit code: 3" in seen and "restarting in 1.5s (crash 1 within" in seen, seen
+        assert "gives up at 5" in seen
+        for _ in range(200):  # the restart brings it back, and the note goes with the failure
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "running":
+                break
+            await asyncio.sleep(0.02)
+        assert inst["status"] == "running" and inst["error_message"] is None, inst
+        await h.client.post(f"/instances/{iid}/stop")
+
+        iid = await create(h, cfg(tmp_path, "--exit-after", "0", "--exit-code", "1", alias="b"))
+        start = asyncio.create_task(h.client.post(f"/instances/{iid}/start"))
+        paused = None
+        for _ in range(150):
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            if inst["status"] == "failed" and not start.done():
+                paused = inst["error_message"]
+                break
+            await asyncio.sleep(0.02)
+        assert paused is not None and "next attempt in 1.5s (2 of 2)" in paused, paused
+        r = await start
+        assert r.status_code == 500 and "next attempt" not in r.text, r.text
+        final = (await h.client.get(f"/instances/{iid}")).json()["error_message"]
+        assert "next attempt" not in final and "restarting" not in final, final

@@ -130,6 +130,8 @@ class Supervisor:
         self.watch_task: asyncio.Task[None] | None = None
         self.metrics_task: asyncio.Task[None] | None = None
         self.crashes: deque[float] = deque()
+        # The failure a scheduled restart follows, without the "restarting in" note.
+        self._crash_reason: str | None = None
         self.last_exit_code: int | None = None
         self.counters = {"starts": 0, "start_failures": 0, "restarts": 0, "crashes": 0}
         self._ready: asyncio.Event | None = None
@@ -318,10 +320,12 @@ class Supervisor:
                         max(deadline - time.monotonic(), 0.0),
                     )
                     again = err.retryable and attempt + 1 < attempts and deadline > time.monotonic()
+                    # What comes next is said with the failure ("failed" alone reads as final).
+                    due = f"; next attempt in {pause:.1f}s ({attempt + 2} of {attempts})"
                     self.set_status(
                         S.FAILED,
                         reason="start_failed",
-                        error_message=err.reason,
+                        error_message=err.reason + (due if again else ""),
                         retry_count=attempt + 1,
                         pid=None,
                         port=None,
@@ -775,6 +779,14 @@ class Supervisor:
             return
         delay = min(settings.restart_backoff_s * (2 ** (n - 1)), settings.restart_backoff_max_s)
         log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
+        # Said where the operator and control look: "failed" alone reads as given up on.
+        self._crash_reason = self.instance.error_message
+        self.stored.instance.error_message = (
+            f"{self._crash_reason}; restarting in {delay:.1f}s (crash {n} within "
+            f"{settings.restart_window_s:.0f}s; the host gives up at "
+            f"{settings.restart_max_in_window})"
+        )
+        self.m.changed(self.id, self.status.value, "restart_scheduled")
         self.stored.restart_due = True
         self.restart_task = asyncio.create_task(
             self._restart_after(delay), name=f"restart:{self.id}"
@@ -807,7 +819,7 @@ class Supervisor:
             # Said where the operator looks, not only in the host's log.
             log.warning("restart of %s refused: %s", self.id, err.detail)
             self.stored.instance.error_message = (
-                f"{self.instance.error_message}; the restart was refused: {err.detail}"
+                f"{self._crash_reason}; the restart was refused: {err.detail}"
             )
             self.m.changed(self.id, self.status.value, "restart_refused")
             await self._nothing_due()
