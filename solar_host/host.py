@@ -15,11 +15,14 @@ from typing import Any
 
 from solar_host.events import EventBus
 from solar_host.logging_setup import add_secrets
-from solar_host.resources.probes import LiveProbe, SystemProbe
+from solar_host.resources.probes import BackgroundReading, LiveProbe, SystemProbe, disk_info
 from solar_host.settings import Settings
 from solar_host.statelock import StateLock, StateLocked
 
 log = logging.getLogger("solar_host")
+
+# How old the disk figures of GET /health may be (control polls it on every host refresh).
+MODELS_DISK_TTL_S = 2.0
 
 
 class StartupError(RuntimeError):
@@ -72,9 +75,19 @@ class Host:
     # Objects with async start()/stop(), started in this order and stopped in reverse.
     lifecycle: list[Any] = field(default_factory=list)
     state_lock: StateLock | None = None
+    _models_disk: BackgroundReading | None = field(default=None, repr=False)
 
     def key(self) -> str:
         return self.api_key
+
+    def models_disk(self) -> dict[str, float] | None:
+        """Disk usage of MODELS_DIR for GET /health, at most MODELS_DISK_TTL_S old, read in a
+        thread: a statvfs on a hung network mount never holds the event loop."""
+        if self._models_disk is None:
+            self._models_disk = BackgroundReading(
+                lambda: disk_info(self.probe, self.settings.models_dir), MODELS_DISK_TTL_S
+            )
+        return self._models_disk.get()
 
     def __getattr__(self, name: str) -> Any:
         services = self.__dict__.get("services")

@@ -21,6 +21,7 @@ import pytest
 
 from solar_host.backends.llamacpp_config import LlamaCppConfig
 from solar_host.backends.registry import BackendRegistry
+from solar_host.control.payloads import PayloadBuilder
 from solar_host.estimates.capacity import CapacityGate, InsufficientMemory
 from solar_host.events import EventBus
 from solar_host.host import StartupError, build_host
@@ -218,6 +219,7 @@ async def test_a_hung_probe_does_not_freeze_the_host(tmp_path: Path, model: Path
             ("GET", "/resources", {}),
             ("POST", "/resources/reservations", {"json": body}),
             ("GET", "/metrics", {}),
+            ("GET", "/memory", {}),
             ("POST", f"/instances/{iid}/start", {}),
         ]
         took = {url: await health_while(h, probe, m, url, **kw) for m, url, kw in calls}
@@ -431,3 +433,78 @@ async def test_host_refuses_to_start_on_damaged_amounts(tmp_path: Path, value: f
     assert f"cannot use state file {path}" in line and "vram_gb" in line
     assert "restore-state" in line
     assert path.read_bytes() == damaged and last_good_path(path).read_bytes() == good
+
+
+async def test_the_control_reports_read_the_machine_off_the_loop(tmp_path: Path) -> None:
+    """host_health (every 10 s, and after every change) read NVML and the capacity snapshot on
+    the event loop: a GPU that takes NVML_TIMEOUT_S to answer froze the whole host that long."""
+    probe = HangingProbe(gpus=[(80, 0)])
+    probe.hang_s = 1.5
+    async with running_host(host_settings(tmp_path), probe=probe) as h:
+        await asyncio.sleep(1.1)  # past the snapshot cache of system figures
+        probe.hang = True
+        stop, took = threading.Event(), []
+        side = threading.Thread(target=ping_health, args=(h.url, stop, took))
+        side.start()
+        try:
+            t0 = time.perf_counter()
+            report = await PayloadBuilder(h.host).host_health()
+            assert time.perf_counter() - t0 > 1.0, "host_health did not read the probe"
+        finally:
+            probe.hang = False
+            stop.set()
+            await asyncio.to_thread(side.join, 30)
+        assert report["data"]["memory"]["memory_type"] == "VRAM", report
+        assert report["data"]["resources"]["memory_type"] == "VRAM", report
+        assert took and max(took) < 0.5, took
+
+
+class HungDiskProbe(FakeProbe):
+    """disk() blocks while `hung` is set, until `released`: statvfs on a network mount that stopped
+    answering (it stays in the kernel, uninterruptible, for as long as the server is away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hung = threading.Event()
+        self.released = threading.Event()
+        self.disk_calls = 0
+
+    def disk(self, path: Path) -> Any:
+        if threading.current_thread().name == "background-reading":  # /health's reading
+            self.disk_calls += 1
+        if self.hung.is_set():
+            self.released.wait(30)
+        return super().disk(path)
+
+
+async def test_a_hung_models_mount_does_not_freeze_health(tmp_path: Path) -> None:
+    """GET /health read the disk of MODELS_DIR on the event loop: on a hung NFS mount every
+    request, the control link and every backend's supervision stopped with it. Now it answers
+    from a reading at most 2 s old, refreshed by one thread (never one more per request)."""
+    probe = HungDiskProbe()
+    async with running_host(host_settings(tmp_path), probe=probe) as h:
+        first = (await h.client.get("/health")).json()
+        assert first["disk"] is not None and first["disk"]["total_gb"] > 0, first
+        probe.hung.set()
+        try:
+            await asyncio.sleep(2.1)  # the reading is due again: its refresh hangs
+            t0 = time.perf_counter()
+            for _ in range(20):
+                body = (await h.client.get("/health")).json()
+                assert body["disk"] == first["disk"]  # the last reading, not a hang
+                await asyncio.sleep(0.2)
+            assert (await h.client.get("/instances")).status_code == 200
+            assert time.perf_counter() - t0 < 4.0 + 2.0
+            calls = probe.disk_calls
+            await asyncio.sleep(2.5)
+            await h.client.get("/health")
+            assert probe.disk_calls == calls, "a second refresh started beside the hung one"
+        finally:
+            probe.released.set()
+        await asyncio.sleep(0.1)
+        await h.client.get("/health")  # the hung read came back: the next one is due
+        for _ in range(50):
+            if probe.disk_calls > calls:
+                break
+            await asyncio.sleep(0.05)
+        assert probe.disk_calls > calls

@@ -18,7 +18,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host import __version__
 from solar_host.api.asgi_json import send_json
-from solar_host.resources.probes import disk_info
 
 
 class HotPathMiddleware:
@@ -42,7 +41,7 @@ def health_body(host: Any) -> bytes:
             "status": "healthy",
             "service": "solar-host",
             "version": __version__,
-            "disk": disk_info(host.probe, host.settings.models_dir),
+            "disk": host.models_disk(),
         },
         separators=(",", ":"),
     ).encode()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
@@ -47,7 +48,8 @@ async def health(request: Request) -> Response:
     responses={503: {"description": "Memory information not available"}},
 )
 async def memory(request: Request) -> dict[str, Any]:
-    info = memory_info(request.app.state.host.probe)
+    # NVML answers in NVML_TIMEOUT_S at worst (a lost GPU): off the loop.
+    info = await asyncio.to_thread(memory_info, request.app.state.host.probe)
     if info is None:
         raise HTTPException(503, "Memory information not available")
     return info

@@ -8,7 +8,7 @@ than send a null control would choke on (contract section 6, items 4, 5 and 17).
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import logging
 from datetime import datetime
 from typing import Any
@@ -120,13 +120,21 @@ class PayloadBuilder:
     async def host_health(self) -> dict[str, Any]:
         instances = self.instances()
         data: dict[str, Any] = {
-            "gpu_type": self.gpu_type(),
             "roles": self.roles(),
             "supported_backends": self.supported_backends(),
             "version": __version__,
             "instance_count": len(instances),
             "running_instance_count": sum(1 for i in instances if _text(i.status) == RUNNING),
         }
+        # Off the loop: NVML answers in milliseconds, or in NVML_TIMEOUT_S when a GPU is lost,
+        # and a statvfs of a hung network mount does not answer at all (every 10 s).
+        data.update(await asyncio.to_thread(self._readings))
+        return {"timestamp": iso_now(), "data": data}
+
+    def _readings(self) -> dict[str, Any]:
+        """What host_health reads from the machine (the probe, the disk, the capacity
+        snapshot). Blocking: call it through asyncio.to_thread."""
+        data: dict[str, Any] = {"gpu_type": self.gpu_type()}
         memory = memory_info(self.host.probe)
         if memory is not None:  # a partial MemoryInfo would poison control's host row
             data["memory"] = memory
@@ -138,15 +146,9 @@ class PayloadBuilder:
         resources = self._service("resources")
         if resources is not None:
             try:
-                data["resources"] = await _maybe_await(resources.snapshot())
-                data["reservations"] = await _maybe_await(resources.health_summary())
+                data["resources"] = resources.snapshot()
+                data["reservations"] = resources.health_summary()
             except Exception as err:
                 log.warning("resource snapshot for host_health failed: %s", err)
                 data.pop("resources", None)
-        return {"timestamp": iso_now(), "data": data}
-
-
-async def _maybe_await(value: Any) -> Any:
-    if inspect.isawaitable(value):
-        return await value
-    return value
+        return data

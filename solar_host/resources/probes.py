@@ -293,3 +293,46 @@ class CachedValue:
             self._value = compute()
             self._at = now
         return self._value
+
+
+class BackgroundReading:
+    """A reading answered at once from its last value and refreshed in a worker thread once
+    it is `ttl` seconds old: for answers on the event loop (GET /health) of reads that can
+    hang (statvfs of a hung network mount), which then hold one thread, never the loop, and
+    never more than one (no refresh starts while one is under way).
+
+    The very first call waits up to `first_wait` seconds for the first read, so a host that
+    just started answers with a value; None until a read has succeeded."""
+
+    def __init__(self, read: Callable[[], Any], ttl: float, first_wait: float = 1.0):
+        self._read = read
+        self.ttl = ttl
+        self._first_wait: float | None = first_wait  # None once the first call waited
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._at: float | None = None  # monotonic time the last refresh started
+        self._busy = False
+        self._done = threading.Event()  # set when the first refresh ended
+
+    def get(self) -> Any:
+        now = time.monotonic()
+        with self._lock:
+            due = not self._busy and (self._at is None or now - self._at >= self.ttl)
+            if due:
+                self._busy, self._at = True, now
+            wait, self._first_wait = self._first_wait, None
+        if due:
+            threading.Thread(target=self._refresh, name="background-reading", daemon=True).start()
+        if wait is not None:
+            self._done.wait(wait)
+        return self._value
+
+    def _refresh(self) -> None:
+        try:
+            self._value = self._read()
+        except Exception as err:
+            log.warning("reading failed: %s", err)
+        finally:
+            with self._lock:
+                self._busy = False
+            self._done.set()
