@@ -355,6 +355,41 @@ def test_allocation_skips_ports_someone_listens_on_any_family(tmp_path: Path) ->
             sock.close()
 
 
+def test_a_port_holder_lookup_does_not_hold_up_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Naming who holds an explicit port scans every process's descriptors (hundreds of ms on
+    a busy machine); it held the allocator's lock, which release() and claim_adopted() take on
+    the event loop at every stop, crash and adoption. The scan is made slow here (a real one
+    needs thousands of processes); the loop's calls must not wait for it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    scanning, real = threading.Event(), ownership.port_holders
+
+    def slow_scan(p: int) -> list[int]:
+        scanning.set()
+        time.sleep(1.5)
+        return real(p)
+
+    monkeypatch.setattr(ownership, "port_holders", slow_scan)
+    alloc = PortAllocator(port + 1, held=set, end_port=port + 20)
+    answer: list[str | None] = []
+    lookup = threading.Thread(target=lambda: answer.append(alloc.holder(port, "127.0.0.1")))
+    try:
+        lookup.start()
+        assert scanning.wait(10)
+        t0 = time.perf_counter()
+        alloc.claim_adopted(port + 5)
+        alloc.release(port + 5)
+        assert time.perf_counter() - t0 < 0.2
+        lookup.join(10)
+        assert answer == [f"pid {ownership.describe(os.getpid())}"]
+    finally:
+        listener.close()
+
+
 # --- durable intent ---------------------------------------------------------------------------
 
 

@@ -40,35 +40,51 @@ def port_is_free(
 
 
 class PortAllocator:
-    """Hands out ports; `held()` lists those other instances hold (starting/running/stopping)."""
+    """Hands out ports; `held()` lists those other instances hold (starting/running/stopping).
+
+    Two locks: allocate/holder read /proc and bind test sockets (a second with no free port
+    left), so callers run them in worker threads, one at a time so two never hand out the
+    same port; release and claim_adopted, called on the event loop, take only the short lock
+    of the claimed set, never waiting on a scan."""
 
     def __init__(self, start_port: int, held: Callable[[], set[int]], end_port: int = 65535):
         self.start_port = start_port
         self.end_port = end_port
         self.held = held
         self._claimed: set[int] = set()  # handed out but not yet visible through held()
-        # allocate/holder read /proc and bind test sockets, so callers run them in worker
-        # threads: one at a time, so two never hand out the same port.
-        self._lock = threading.Lock()
+        self._scan_lock = threading.Lock()
+        self._claims_lock = threading.Lock()
 
     def _bind_hosts(self, host: str) -> tuple[str, ...]:
         return ("0.0.0.0",) if host in ("0.0.0.0", "", "::") else ("0.0.0.0", host)
 
+    def _taken(self) -> set[int]:
+        with self._claims_lock:
+            return self.held() | self._claimed
+
+    def _claim_if_unclaimed(self, port: int) -> bool:
+        with self._claims_lock:
+            if port in self._claimed:
+                return False
+            self._claimed.add(port)
+            return True
+
     def allocate(self, host: str, avoid: set[int] | None = None) -> int:
-        with self._lock:
+        with self._scan_lock:
             return self._allocate(host, avoid)
 
     def _allocate(self, host: str, avoid: set[int] | None) -> int:
         """The lowest free port of the range; PortsExhausted (503) naming it when none is."""
-        taken = self.held() | self._claimed | (avoid or set())
+        taken = self._taken() | (avoid or set())
         listening = set(ownership.listeners())
         bound = 0
         for port in range(self.start_port, self.end_port + 1):
             if port in taken:
                 continue
             if port_is_free(port, self._bind_hosts(host), listening):
-                self._claimed.add(port)
-                return port
+                if self._claim_if_unclaimed(port):  # an adoption may have claimed it since
+                    return port
+                continue
             bound += 1
         from solar_host.instances.errors import PortsExhausted
 
@@ -87,26 +103,26 @@ class PortAllocator:
     def holder(self, port: int, host: str) -> str | None:
         """Claim an explicit port, or say who has it: None when claimed, else a description
         for the 409 (another instance, or the pid listening on it where it can be read)."""
-        with self._lock:
-            return self._holder(port, host)
-
-    def _holder(self, port: int, host: str) -> str | None:
-        if port in self.held() or port in self._claimed:
+        with self._scan_lock:
+            if port in self._taken():
+                return "another instance"
+            free = port_is_free(port, self._bind_hosts(host))
+            if free and self._claim_if_unclaimed(port):
+                return None
+        if free:
             return "another instance"
-        if not port_is_free(port, self._bind_hosts(host)):
-            pids = ownership.port_holders(port)
-            if pids:
-                return "pid " + ", ".join(ownership.describe(p) for p in pids)
-            return "another process"
-        self._claimed.add(port)
-        return None
+        # Who listens there: a scan of every process's descriptors, outside both locks.
+        pids = ownership.port_holders(port)
+        if pids:
+            return "pid " + ", ".join(ownership.describe(p) for p in pids)
+        return "another process"
 
     def claim_adopted(self, port: int) -> None:
         """A re-adopted backend already holds its port: record it without a bind test."""
-        with self._lock:
+        with self._claims_lock:
             self._claimed.add(port)
 
     def release(self, port: int | None) -> None:
         if port is not None:
-            with self._lock:
+            with self._claims_lock:
                 self._claimed.discard(port)
