@@ -585,3 +585,43 @@ async def test_a_failed_instance_says_when_the_host_tries_again(tmp_path: Path) 
         assert r.status_code == 500 and "next attempt" not in r.text, r.text
         final = (await h.client.get(f"/instances/{iid}")).json()["error_message"]
         assert "next attempt" not in final and "restarting" not in final, final
+
+
+async def test_configs_are_read_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding a config's model walks its directory (up to 50,000 entries), reads manifest.json
+    and model files: a create, an update or an estimate did it on the event loop, which every
+    request and every backend's supervision waited for. Each now reads in a worker thread."""
+    from solar_host.backends import files
+
+    on_loop: list[str] = []
+    real_search = files._search
+
+    def search(*args: object) -> list[Path]:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append("model_file search")
+        except RuntimeError:
+            pass  # a worker thread: no running loop there
+        return real_search(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(files, "_search", search)
+    model_dir = tmp_path / "models" / "m"
+    for i in range(3):
+        (model_dir / f"q{i}").mkdir(parents=True)
+        (model_dir / f"q{i}" / f"M-Q{i}.gguf").write_bytes(b"GGUF")
+    config = {**cfg(tmp_path), "model": str(model_dir), "model_file": "M-Q1.gguf"}
+    async with running_host(host_settings(tmp_path), backends=registry()) as h:
+        iid = await create(h, config)
+        got = (await h.client.get(f"/instances/{iid}")).json()["config"]["model"]
+        assert got.endswith("q1/M-Q1.gguf"), got
+        r = await h.client.put(
+            f"/instances/{iid}", json={"config": {**config, "model_file": "M-Q2.gguf"}}
+        )
+        assert r.status_code == 200, r.text
+        got = (await h.client.get(f"/instances/{iid}")).json()["config"]["model"]
+        assert got.endswith("q2/M-Q2.gguf"), got
+        r = await h.client.post("/instances/estimate", json={"config": config})
+        assert r.status_code in (200, 422), r.text
+    assert on_loop == []

@@ -59,7 +59,7 @@ def _gate(request: Request) -> Any:
 async def estimate_config(request: Request, body: EstimateRequest) -> Response:
     svc = request.app.state.host.instances
     try:
-        config = svc._parse(body.config)
+        config, _ = await svc.parse(body.config)
     except InstanceError as err:
         return JSONResponse(status_code=err.status, content=err.body())
     try:

@@ -478,6 +478,20 @@ class InstanceManager:
 
     # --- writes ----------------------------------------------------------------------------------
 
+    async def parse(
+        self, raw: Any, warnings: list[str] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """A config as given (create, update, estimate) checked and parsed, with the fields
+        derived from it. In a worker thread: finding the model walks directories (up to
+        50,000 entries), reads manifest.json and model configs, and the availability check may
+        read the GPU probe, none of which may hold the event loop."""
+
+        def work() -> tuple[Any, dict[str, Any]]:
+            config = self._parse(raw, warnings=warnings)
+            return config, self._derived(config)
+
+        return await asyncio.to_thread(work)
+
     def _parse(
         self,
         raw: Any,
@@ -560,10 +574,13 @@ class InstanceManager:
         warnings: list[str] | None = None,
     ) -> Instance:
         """Create an instance; config warnings (unknown fields) are appended to `warnings`."""
-        # A caller-chosen id (socket creates, so a retried create stays one instance).
+        # A caller-chosen id (socket creates, so a retried create stays one instance): checked
+        # before the parse, and again after its await (a twin create may have landed).
         if instance_id is not None and instance_id in self.supervisors:
             raise InstanceConflict(f"Instance {instance_id} already exists")
-        parsed = self._parse(config, warnings=warnings)
+        parsed, derived = await self.parse(config, warnings)
+        if instance_id is not None and instance_id in self.supervisors:
+            raise InstanceConflict(f"Instance {instance_id} already exists")
         try:
             prio = Priority(priority) if priority is not None else Priority.PRODUCTION
         except ValueError:
@@ -585,7 +602,7 @@ class InstanceManager:
             priority=prio,
             managed_by=managed_by,
             intent_id=intent_id,
-            **self._derived(parsed),
+            **derived,
         )
         sup = Supervisor(self, StoredInstance(instance=inst))
         self.supervisors[inst.id] = sup
@@ -611,13 +628,10 @@ class InstanceManager:
             starting = sup.start_task is not None and not sup.start_task.done()
             if starting or inst.status not in (S.STOPPED, S.FAILED):
                 raise InstanceConflict("Cannot update a running instance. Stop it first.")
-            new_config = None
-            if "config" in fields and fields["config"] is not None:
-                new_config = self._parse(fields["config"], warnings=warnings)
             changes: dict[str, Any] = {}
-            if new_config is not None:
-                changes["config"] = new_config
-                changes.update(self._derived(new_config))
+            if "config" in fields and fields["config"] is not None:
+                changes["config"], derived = await self.parse(fields["config"], warnings)
+                changes.update(derived)
             for key in ("managed_by", "intent_id"):
                 if key in fields:
                     changes[key] = fields[key]
