@@ -908,3 +908,40 @@ async def test_lookup_dir_feeds_parse_config(tmp_path, reg, gguf_artifact):
         manifest_lookup=store.lookup_dir,
     )
     assert SimpleNamespace(m=cfg.model).m.endswith("small.gguf")
+
+
+def test_the_manifest_is_parsed_once_per_change_and_never_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pull, create and listing asks for the manifest's entries: parsed once per version
+    of the file (each write renames a new one into place; an operator's edit changes its
+    mtime), and what a caller changes in an entry never reaches the next caller."""
+    from solar_host.model_store.manifest import ManifestEntry
+
+    m = Manifest(tmp_path / "models")
+    m.ensure()
+    digests = {f"f{i}.safetensors": "sha256:" + "0" * 64 for i in range(50)}
+    for i in range(20):
+        m.upsert(ManifestEntry(f"s{i}", f"hf://a/m{i}", str(tmp_path / f"s{i}"), 1, None,
+                               file_digests=dict(digests)))  # fmt: skip
+    reads = []
+    real = Path.read_text
+    monkeypatch.setattr(
+        Path, "read_text", lambda self, *a, **k: reads.append(self) or real(self, *a, **k)
+    )
+    first = m.entries()
+    assert len(first) == 20 and len(m.entries()) == 20 and m.get("hf://a/m3") is not None
+    assert len(reads) == 1
+
+    first[0].file_digests["extra"] = "sha256:x"  # type: ignore[index]
+    first[0].slug = "changed"
+    again = m.entries()[0]
+    assert again.slug == "s0" and "extra" not in (again.file_digests or {})
+
+    # An edit in place by hand, same size: its new mtime is seen.
+    raw = m.path.read_bytes()
+    m.path.write_bytes(raw.replace(b'"s0"', b'"t0"'))
+    os.utime(m.path, ns=(m.path.stat().st_atime_ns, m.path.stat().st_mtime_ns + 1_000_000))
+    assert m.entries()[0].slug == "t0"
+    m.remove("hf://a/m1")
+    assert [e.slug for e in m.entries()][:2] == ["t0", "s2"]

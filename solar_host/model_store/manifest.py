@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -43,11 +44,21 @@ class ManifestEntry:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ManifestEntry:
+        """An entry of its own: containers are copied, so changing one never changes `raw`
+        (the manifest's parsed file, kept while the file is unchanged)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return cls(**{k: _copied(v) for k, v in raw.items() if k in known})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
 
 
 def now_iso() -> str:
@@ -58,6 +69,12 @@ def now_iso() -> str:
 class Manifest:
     models_dir: Path
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    # The parsed file and the (inode, size, mtime) it was parsed at: every pull, create and
+    # model listing asks for the entries, and a manifest of a few hundred models with their
+    # file digests takes milliseconds to parse. A write renames a new file into place.
+    _parsed: tuple[tuple[int, int, int], list[dict[str, Any]]] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def path(self) -> Path:
@@ -83,6 +100,10 @@ class Manifest:
 
     def _read_raw(self) -> list[dict[str, Any]] | None:
         try:
+            st = os.stat(self.path)
+            signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if self._parsed is not None and self._parsed[0] == signature:
+                return self._parsed[1]
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return []
@@ -91,7 +112,11 @@ class Manifest:
         models = data.get("models") if isinstance(data, dict) else None
         if not isinstance(models, list):
             return None
-        return [m for m in models if isinstance(m, dict)]
+        parsed = [m for m in models if isinstance(m, dict)]
+        # Kept under the signature read before the file: a file replaced in between is read
+        # again next time (its signature differs), never taken for the one stat-ed.
+        self._parsed = (signature, parsed)
+        return parsed
 
     def entries(self) -> list[ManifestEntry]:
         with self._lock:
