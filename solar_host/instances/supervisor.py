@@ -471,7 +471,8 @@ class Supervisor:
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
-            write_private_files(spec.private_files)
+            if spec.private_files:  # each written with an fsync: off the loop
+                await asyncio.to_thread(write_private_files, spec.private_files)
 
             # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
             # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
@@ -597,7 +598,7 @@ class Supervisor:
             code = proc.exit_code()
             self.last_exit_code = code
             if self.follower:
-                self.follower.read_available()
+                await self.follower.read_available()
             raise AttemptFailed(
                 f"Process exited with code {code}" if code is not None else "Process exited", code
             )
