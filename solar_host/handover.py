@@ -19,6 +19,10 @@ from solar_host.statelock import holder_pid, is_locked
 
 # The signal that asks a running host to exit and leave its backends to the next one.
 HAND_OVER_SIGNAL = signal.SIGUSR2
+# Every signal that does: SIGHUP too. Its default action ended the host on the spot (a closed
+# terminal, a `kill -HUP` meant as "reload"): nothing saved or said; a hand-over is the same
+# outcome done properly, and the "reload" a supervisor that restarts the host expects.
+HAND_OVER_SIGNALS = (signal.SIGUSR2, signal.SIGHUP)
 
 
 class HandOverError(Exception):

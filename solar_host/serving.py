@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
-from solar_host.handover import HAND_OVER_SIGNAL
+from solar_host.handover import HAND_OVER_SIGNALS
 from solar_host.host import Host, StartupError, build_host
 from solar_host.httpguard import guarded_protocol
 from solar_host.sdnotify import Notifier
@@ -256,13 +256,15 @@ class StagedApp:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers belong to the main thread (tests run hosts in threads)
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().add_signal_handler(HAND_OVER_SIGNAL, self.hand_over)
+            for sig in HAND_OVER_SIGNALS:
+                asyncio.get_running_loop().add_signal_handler(sig, self.hand_over)
             self._hand_over_installed = True
 
     def _remove_hand_over(self) -> None:
         if self._hand_over_installed:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_signal_handler(HAND_OVER_SIGNAL)
+            for sig in HAND_OVER_SIGNALS:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_signal_handler(sig)
             self._hand_over_installed = False
 
 

@@ -187,12 +187,17 @@ def test_sigterm_stops_backends_by_default(tmp_path: Path) -> None:
         assert h.backends() == []
 
 
-def test_hand_over_signal_leaves_backends_serving_for_the_next_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGHUP], ids=["SIGUSR2", "SIGHUP"])
+def test_hand_over_signal_leaves_backends_serving_for_the_next_host(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """SIGHUP as well: its default action ended the host on the spot (a closed terminal, a
+    `kill -HUP` meant as a reload)."""
     with HostProc(tmp_path) as h:
         h.start()
         iid, pid, port = start_instance(h)
         with Pinger(port, path="/health") as probe:
-            h.proc.send_signal(signal.SIGUSR2)  # type: ignore[union-attr]
+            h.proc.send_signal(sig)  # type: ignore[union-attr]
             assert h.proc.wait(timeout=60) == 0  # type: ignore[union-attr]
             assert alive(pid)
             h.start()
