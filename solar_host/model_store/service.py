@@ -203,7 +203,8 @@ class ModelStore:
                     "HARBOR_PASSWORD when it needs a login).",
                 )
             harbor_host = oci.parse_registry_url(s.harbor_url)[1]
-        slug = check_request(req, harbor_host)
+        # In a thread: the first check of a Hub id imports huggingface_hub (50 ms and more).
+        slug = await asyncio.to_thread(check_request, req, harbor_host)
         base = req.base_uri
         self._refuse_shared_slug(base, slug)
         # A reference pinned to a manifest digest asks for exactly that artifact: a copy pulled
