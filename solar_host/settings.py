@@ -131,6 +131,18 @@ class Settings(BaseModel):
     restart_window_s: float = Field(
         default=600.0, gt=0, description="Window for counting crashes of one instance."
     )
+    health_check_interval_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="Seconds between health probes of a running backend (0: none after it is "
+        "ready).",
+    )
+    unhealthy_after_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A running backend whose health endpoint has not answered for this long "
+        "is ended and handled as a crash.",
+    )
     boot_start_concurrency: int = Field(
         default=4, ge=1, description="How many instances are started at once at boot."
     )

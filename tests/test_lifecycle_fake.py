@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -625,3 +626,62 @@ async def test_configs_are_read_off_the_event_loop(
         r = await h.client.post("/instances/estimate", json={"config": config})
         assert r.status_code in (200, 422), r.text
     assert on_loop == []
+
+
+async def _running(h, iid: str, timeout: float = 15.0, not_pid: int | None = None) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        if inst["status"] == "running" and inst["pid"] != not_pid:
+            return inst
+        assert time.monotonic() < deadline, inst
+        await asyncio.sleep(0.05)
+
+
+async def test_a_backend_that_stops_answering_is_ended_and_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A running backend that no longer answers its health endpoint (here SIGSTOP: alive,
+    listening, silent, as a deadlocked or GPU-hung server) stayed `running` for ever while
+    control sent it requests. Past UNHEALTHY_AFTER_S it is ended and restarted as a crash."""
+    s = host_settings(
+        tmp_path, health_check_interval_s=0.2, unhealthy_after_s=1.0, restart_backoff_s=0.1
+    )
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path))
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            inst = await _running(h, iid, timeout=20, not_pid=pid)
+            took = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert 1.0 <= took < 15, took
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        sup = h.instances.supervisor(iid)
+        assert sup.counters["crashes"] == 1 and sup.counters["restarts"] == 1
+        assert "stopped answering /health for" in caplog.text
+        assert inst["error_message"] is None
+        await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_a_short_silence_or_a_disabled_check_ends_nothing(tmp_path: Path) -> None:
+    """One probe that times out is only logged: a backend silent for less than
+    UNHEALTHY_AFTER_S keeps running, and HEALTH_CHECK_INTERVAL_S=0 probes nothing."""
+    for interval, after, pause in ((0.2, 3.0, 1.0), (0.0, 0.5, 2.0)):
+        s = host_settings(tmp_path, health_check_interval_s=interval, unhealthy_after_s=after)
+        async with running_host(s, backends=registry()) as h:
+            iid = await create(h, cfg(tmp_path))
+            pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(pause)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(0.5)
+            inst = (await h.client.get(f"/instances/{iid}")).json()
+            assert inst["status"] == "running" and inst["pid"] == pid, (interval, inst)
+            assert h.instances.supervisor(iid).counters["crashes"] == 0
+            await h.client.post(f"/instances/{iid}/stop")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -129,6 +130,9 @@ class Supervisor:
         self.restart_task: asyncio.Task[None] | None = None
         self.watch_task: asyncio.Task[None] | None = None
         self.metrics_task: asyncio.Task[None] | None = None
+        self.liveness_task: asyncio.Task[None] | None = None
+        # Why the host ended a running backend itself (it stopped answering): the crash's reason.
+        self._ended_why: str | None = None
         self.crashes: deque[float] = deque()
         # The failure a scheduled restart follows, without the "restarting in" note.
         self._crash_reason: str | None = None
@@ -699,12 +703,64 @@ class Supervisor:
     # --- running ---------------------------------------------------------------------------------
 
     def _watch(self, proc: procs.BackendProcess) -> None:
+        self._ended_why = None
         self.watch_task = asyncio.create_task(self._watch_exit(proc), name=f"watch:{self.id}")
         backend = self.backend()
         if backend.metrics_path:
             self.metrics_task = asyncio.create_task(
                 self._poll_metrics(backend.metrics_path), name=f"metrics:{self.id}"
             )
+        if backend.health_path and self.m.settings.health_check_interval_s > 0:
+            self.liveness_task = asyncio.create_task(
+                self._watch_liveness(proc, backend.health_path), name=f"liveness:{self.id}"
+            )
+
+    def _cancel_watchers(self) -> None:
+        self._cancel(self.metrics_task)
+        self._cancel(self.liveness_task)
+
+    async def _watch_liveness(self, proc: procs.BackendProcess, path: str) -> None:
+        """A running backend that stops answering its health endpoint for UNHEALTHY_AFTER_S
+        (a deadlock, a GPU hang, SIGSTOP) is ended and handled as a crash: it restarts under
+        the crash policy, or is left failed for control. Before, it stayed `running` for ever
+        and control kept routing requests to it. A slow answer within the probe's timeout is
+        an answer; one failed probe is only logged."""
+        settings = self.m.settings
+        interval = settings.health_check_interval_s
+        failing_since: float | None = None
+        while True:
+            await asyncio.sleep(interval)
+            if self.proc is not proc or self.status != S.RUNNING or self.instance.port is None:
+                return
+            ok = await is_healthy(
+                probe_address(self.instance.config.host),
+                self.instance.port,
+                path,
+                self._bearer(),
+                min(max(interval, 1.0), 10.0),
+            )
+            now = time.monotonic()
+            if ok:
+                if failing_since is not None:
+                    log.info("backend of %s answers %s again", self.id, path)
+                failing_since = None
+                continue
+            if failing_since is None:
+                failing_since = now
+                log.warning("backend pid %s of %s did not answer %s", proc.pid, self.id, path)
+                continue
+            silent = now - failing_since
+            if silent < settings.unhealthy_after_s or self.proc is not proc:
+                continue
+            self._ended_why = (
+                f"Backend stopped answering {path} for {silent:.0f}s (UNHEALTHY_AFTER_S="
+                f"{settings.unhealthy_after_s:g}); the host ended it"
+            )
+            log.error("backend pid %s of %s: %s", proc.pid, self.id, self._ended_why)
+            # SIGKILL: a hung backend seldom honours SIGTERM, and SIGKILL ends a stopped one.
+            # Its exit is then a crash like any other (_watch_exit), workers included.
+            await asyncio.to_thread(procs.signal_tree, proc, signal.SIGKILL)
+            return
 
     async def _watch_exit(self, proc: procs.BackendProcess) -> None:
         await procs.wait_exit(proc)
@@ -723,7 +779,7 @@ class Supervisor:
         self.counters["crashes"] += 1
         # Workers that outlived it (in its group, or setsid'd) hold GPU memory and the port.
         await procs.end_tree_leftovers(proc)
-        self._cancel(self.metrics_task)
+        self._cancel_watchers()
         await self._stop_follower()
         self.proc = None
         self.stored.process = None
@@ -733,6 +789,8 @@ class Supervisor:
             if code is not None
             else "Process exited unexpectedly"
         )
+        if self._ended_why is not None:
+            reason, self._ended_why = self._ended_why, None
         await self._record_crash(proc, reason, code)
 
     async def _record_crash(
@@ -932,7 +990,7 @@ class Supervisor:
         # What is wanted is on disk before any signal: a host that dies mid-stop finishes
         # the stop at boot (and starts it again only when it is still wanted).
         await self.m.persist()
-        self._cancel(self.metrics_task)
+        self._cancel_watchers()
         self._cancel(self.watch_task)
         left: list[str] = []
         if proc is not None:
@@ -954,7 +1012,7 @@ class Supervisor:
             self.start_task.cancel()
             with contextlib.suppress(BaseException):
                 await self.start_task
-        self._cancel(self.metrics_task)
+        self._cancel_watchers()
         self._cancel(self.watch_task)
         await self._stop_follower()
 
