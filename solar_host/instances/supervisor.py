@@ -750,7 +750,9 @@ class Supervisor:
                 log.warning("backend pid %s of %s did not answer %s", proc.pid, self.id, path)
                 continue
             silent = now - failing_since
-            if silent < settings.unhealthy_after_s or self.proc is not proc:
+            if self.proc is not proc or self.status != S.RUNNING:
+                return  # stopped or replaced during the probe: not this watch's to end
+            if silent < settings.unhealthy_after_s:
                 continue
             self._ended_why = (
                 f"Backend stopped answering {path} for {silent:.0f}s (UNHEALTHY_AFTER_S="
