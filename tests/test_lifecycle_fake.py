@@ -685,3 +685,21 @@ async def test_a_short_silence_or_a_disabled_check_ends_nothing(tmp_path: Path) 
             assert inst["status"] == "running" and inst["pid"] == pid, (interval, inst)
             assert h.instances.supervisor(iid).counters["crashes"] == 0
             await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_a_backend_busy_but_silent_is_left_running(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not answering /health while working (a llama-server whose HTTP threads all wait on
+    queued requests) is not stuck: ending it would drop every request in flight. Its CPU use
+    over the silent window tells the two apart."""
+    s = host_settings(tmp_path, health_check_interval_s=0.2, unhealthy_after_s=1.0)
+    async with running_host(s, backends=registry()) as h:
+        iid = await create(h, cfg(tmp_path, "--busy-silent-after", "0.5"))
+        pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
+        await asyncio.sleep(4.0)  # several silent windows
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "running" and inst["pid"] == pid, inst
+        assert h.instances.supervisor(iid).counters["crashes"] == 0
+        assert "busy, left running" in caplog.text
+        await h.client.post(f"/instances/{iid}/stop")

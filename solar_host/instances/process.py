@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from solar_host.instances import confinement, ownership
 from solar_host.instances.ownership import Identity
 
@@ -236,6 +238,19 @@ def signal_tree(proc: BackendProcess, sig: int) -> list[Identity]:
     for ident in strays:
         _signal(ident, sig)
     return strays
+
+
+def cpu_seconds(proc: BackendProcess) -> float:
+    """CPU time (user + system, every thread) the backend and the other processes of it have
+    used so far: what tells a backend that works but does not answer from one that is stuck.
+    Blocking (/proc)."""
+    total = 0.0
+    pids = {proc.pid, *(i.pid for i in _strays(proc))}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def kill_leftovers(proc: BackendProcess) -> None:

@@ -56,6 +56,9 @@ LISTENER_CHECK_S = 0.05  # between checks that the ready port is the backend's o
 # its listening socket again before it is handled as a crash (it is not loading: it was ready).
 ADOPTED_RELISTEN_S = 10.0
 METRICS_POLL_S = 2.0
+# A backend silent on its health endpoint but using more than this share of one CPU is working
+# (requests queued ahead of the probe), not stuck: a deadlocked or stopped one uses next to none.
+BUSY_CPU_SHARE = 0.05
 
 
 class AttemptFailed(Exception):
@@ -721,13 +724,18 @@ class Supervisor:
 
     async def _watch_liveness(self, proc: procs.BackendProcess, path: str) -> None:
         """A running backend that stops answering its health endpoint for UNHEALTHY_AFTER_S
-        (a deadlock, a GPU hang, SIGSTOP) is ended and handled as a crash: it restarts under
-        the crash policy, or is left failed for control. Before, it stayed `running` for ever
-        and control kept routing requests to it. A slow answer within the probe's timeout is
-        an answer; one failed probe is only logged."""
+        and uses (almost) no CPU meanwhile (a deadlock, a stopped process) is ended and
+        handled as a crash: it restarts under the crash policy, or is left failed for control.
+        Before, it stayed `running` for ever and control kept routing requests to it.
+
+        One that works while it does not answer (a llama-server whose HTTP threads all wait
+        on queued requests answers /health only when one frees up) is left running, and said
+        so: killing it would drop every request in flight. A slow answer within the probe's
+        timeout is an answer; one failed probe is only logged."""
         settings = self.m.settings
         interval = settings.health_check_interval_s
         failing_since: float | None = None
+        cpu_then = 0.0
         while True:
             await asyncio.sleep(interval)
             if self.proc is not proc or self.status != S.RUNNING or self.instance.port is None:
@@ -747,6 +755,7 @@ class Supervisor:
                 continue
             if failing_since is None:
                 failing_since = now
+                cpu_then = await asyncio.to_thread(procs.cpu_seconds, proc)
                 log.warning("backend pid %s of %s did not answer %s", proc.pid, self.id, path)
                 continue
             silent = now - failing_since
@@ -754,6 +763,21 @@ class Supervisor:
                 return  # stopped or replaced during the probe: not this watch's to end
             if silent < settings.unhealthy_after_s:
                 continue
+            cpu_now = await asyncio.to_thread(procs.cpu_seconds, proc)
+            if cpu_now - cpu_then > BUSY_CPU_SHARE * silent:
+                log.warning(
+                    "backend pid %s of %s has not answered %s for %.0fs but used %.1fs of CPU "
+                    "meanwhile: busy, left running",
+                    proc.pid,
+                    self.id,
+                    path,
+                    silent,
+                    cpu_now - cpu_then,
+                )
+                failing_since, cpu_then = now, cpu_now  # judged again over the next window
+                continue
+            if self.proc is not proc or self.status != S.RUNNING:
+                return
             self._ended_why = (
                 f"Backend stopped answering {path} for {silent:.0f}s (UNHEALTHY_AFTER_S="
                 f"{settings.unhealthy_after_s:g}); the host ended it"
