@@ -670,17 +670,22 @@ async def test_a_backend_that_stops_answering_is_ended_and_restarted(
 async def test_a_short_silence_or_a_disabled_check_ends_nothing(tmp_path: Path) -> None:
     """One probe that times out is only logged: a backend silent for less than
     UNHEALTHY_AFTER_S keeps running, and HEALTH_CHECK_INTERVAL_S=0 probes nothing."""
-    for interval, after, pause in ((0.2, 3.0, 1.0), (0.0, 0.5, 2.0)):
+    for interval, after, pause, fake in (
+        (0.2, 3.0, 1.0, ()),
+        (0.0, 0.5, 2.0, ()),
+        (0.2, 0.5, 0.0, ("--health-503-after", "0.3")),  # an answer, if not a 200: it runs
+    ):
         s = host_settings(tmp_path, health_check_interval_s=interval, unhealthy_after_s=after)
         async with running_host(s, backends=registry()) as h:
-            iid = await create(h, cfg(tmp_path))
+            iid = await create(h, cfg(tmp_path, *fake))
             pid = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]["pid"]
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                await asyncio.sleep(pause)
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            await asyncio.sleep(0.5)
+            if pause:
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(pause)
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(0.5 if pause else 2.0)
             inst = (await h.client.get(f"/instances/{iid}")).json()
             assert inst["status"] == "running" and inst["pid"] == pid, (interval, inst)
             assert h.instances.supervisor(iid).counters["crashes"] == 0

@@ -731,7 +731,8 @@ class Supervisor:
         One that works while it does not answer (a llama-server whose HTTP threads all wait
         on queued requests answers /health only when one frees up) is left running, and said
         so: killing it would drop every request in flight. A slow answer within the probe's
-        timeout is an answer; one failed probe is only logged."""
+        timeout is an answer, and so is one that is not 200 (a 503 while busy, a 401: it runs);
+        one failed probe is only logged."""
         settings = self.m.settings
         interval = settings.health_check_interval_s
         failing_since: float | None = None
@@ -740,13 +741,20 @@ class Supervisor:
             await asyncio.sleep(interval)
             if self.proc is not proc or self.status != S.RUNNING or self.instance.port is None:
                 return
-            ok = await is_healthy(
-                probe_address(self.instance.config.host),
-                self.instance.port,
-                path,
-                self._bearer(),
-                min(max(interval, 1.0), 10.0),
-            )
+            # Any HTTP answer is an answer: a 503 while busy, a 401 for a key the backend no
+            # longer shares, a 500, all come from a backend that runs. Silence is not one.
+            try:
+                await http_get(
+                    probe_address(self.instance.config.host),
+                    self.instance.port,
+                    path,
+                    bearer=self._bearer(),
+                    timeout=min(max(interval, 1.0), 10.0),
+                    max_bytes=65536,
+                )
+                ok = True
+            except (OSError, TimeoutError, asyncio.IncompleteReadError):
+                ok = False
             now = time.monotonic()
             if ok:
                 if failing_since is not None:
