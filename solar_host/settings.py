@@ -140,8 +140,8 @@ class Settings(BaseModel):
     unhealthy_after_s: float = Field(
         default=120.0,
         gt=0,
-        description="A running backend whose health endpoint has not answered for this long "
-        "is ended and handled as a crash.",
+        description="A running backend whose health endpoint has not answered for this long, "
+        "using next to no CPU meanwhile, is ended and handled as a crash.",
     )
     boot_start_concurrency: int = Field(
         default=4, ge=1, description="How many instances are started at once at boot."
