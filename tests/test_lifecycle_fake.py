@@ -151,6 +151,16 @@ async def test_stop_kills_sigterm_ignoring_backend(tmp_path: Path) -> None:
         assert (await h.client.post(f"/instances/{iid}/stop")).status_code == 200
         assert time.monotonic() - t0 < 3
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        # Said where the operator looks, not only in the host's log.
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "stopped", inst
+        assert inst["error_message"] == "stopped, but it ignored SIGTERM for 0.5s and was killed"
+        # A backend that honours SIGTERM stops with nothing to say.
+        await h.client.put(f"/instances/{iid}", json={"config": cfg(tmp_path)})
+        await h.client.post(f"/instances/{iid}/start")
+        await h.client.post(f"/instances/{iid}/stop")
+        inst = (await h.client.get(f"/instances/{iid}")).json()
+        assert inst["status"] == "stopped" and inst["error_message"] is None, inst
 
 
 @pytest.mark.parametrize("keep", [True])

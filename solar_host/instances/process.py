@@ -44,6 +44,8 @@ class BackendProcess:
     sockets: frozenset[int] = frozenset()
     # What a stop or crash clean-up could not end, in words (for the instance's message).
     left_behind: list[str] = field(default_factory=list)
+    # Set by terminate when the backend ignored SIGTERM for the whole grace: what a stop says.
+    killed_after_s: float | None = None
 
     @property
     def pid(self) -> int:
@@ -326,6 +328,7 @@ async def terminate(proc: BackendProcess, grace_s: float) -> int | None:
     strays = await asyncio.to_thread(signal_tree, proc, signal.SIGTERM)
     if not await wait_exit(proc, grace_s):
         log.warning("backend pid %s ignored SIGTERM for %.1fs; killing it", proc.pid, grace_s)
+        proc.killed_after_s = grace_s
         strays += await asyncio.to_thread(signal_tree, proc, signal.SIGKILL)
         await wait_exit(proc, 10.0)
     await end_tree_leftovers(proc, strays)

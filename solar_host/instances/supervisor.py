@@ -1031,6 +1031,10 @@ class Supervisor:
             code = await procs.terminate(proc, self.m.settings.stop_grace_s)
             self.last_exit_code = code
             left = proc.left_behind
+            if proc.killed_after_s is not None:
+                # Said where the operator looks: a backend that needs SIGKILL loses what it
+                # would have done on SIGTERM (flushing a cache, closing its requests).
+                left = [f"it ignored SIGTERM for {proc.killed_after_s:g}s and was killed", *left]
         await self._stop_follower()
         await self._record_stopped(left)
         return True
