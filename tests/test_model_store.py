@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -945,3 +946,40 @@ def test_the_manifest_is_parsed_once_per_change_and_never_shared(
     assert m.entries()[0].slug == "t0"
     m.remove("hf://a/m1")
     assert [e.slug for e in m.entries()][:2] == ["t0", "s2"]
+
+
+async def test_a_pull_during_a_delete_of_the_same_model_waits_for_it(
+    tmp_path, hub, monkeypatch
+) -> None:
+    """A delete refused pulls in flight, but not a pull that arrived while the delete was
+    removing files: it found them half gone, started a download into the directory being
+    removed, and the delete's last step then struck the new copy from the manifest (files on
+    disk, no record) or removed files under it. The two are now one after the other: the pull
+    waits and downloads a whole new copy, recorded."""
+    import shutil
+
+    store = await pulled_tiny(tmp_path, hub)
+    root = store.models_dir / "hf--acme--tiny"
+    halfway = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path, *a, **kw):  # a big model: removing its files takes a while
+        if Path(path) == root and not halfway.is_set():
+            first = sorted(p for p in Path(path).rglob("*") if p.is_file())[:1]
+            for p in first:
+                p.unlink()
+            halfway.set()
+            time.sleep(1.0)
+        real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    deleting = asyncio.create_task(store.delete("hf--acme--tiny"))
+    assert await asyncio.to_thread(halfway.wait, 10)
+    pulled = await store.pull(hf_req())
+    out = await deleting
+    assert out["detail"] == "Model deleted"
+    assert pulled["cached"] is False, pulled  # pulled anew, after the delete
+    entry = store.manifest.get_slug("hf--acme--tiny")
+    assert entry is not None, "the new copy is on disk but not recorded"
+    for rel, size in (entry.file_sizes or {}).items():
+        assert (root / rel).stat().st_size == size, rel

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,9 @@ class ModelStore:
         self.probe = probe
         self.in_use: InUse | None = None
         self._jobs: dict[str, _Job] = {}
+        # slug -> [lock, holders and waiters]: a delete and a pull's "is the copy on disk
+        # usable" check of one model take turns (see _model_turn).
+        self._turns: dict[str, list[Any]] = {}
 
     # --- paths -------------------------------------------------------------------------------
 
@@ -215,9 +218,10 @@ class ModelStore:
             pinned = split_ref(req.harbor_ref or "", harbor_host)[3]
         key = (base, tuple(req.filters) if req.filters is not None else None)
         for _ in range(8):
-            entry = await asyncio.to_thread(self._usable_entry, base, req, pinned)
-            if entry is not None:
-                return self._result(req, entry, cached=True)
+            async with self._model_turn(slug):
+                entry = await asyncio.to_thread(self._usable_entry, base, req, pinned)
+                if entry is not None:
+                    return self._result(req, entry, cached=True)
             job = self._jobs.get(base)
             if job is not None and job.key != key:
                 # Another request of the same artifact is downloading something else (other
@@ -667,10 +671,28 @@ class ModelStore:
                 out.append((instance_id, inside, filters))
         return out
 
+    @contextlib.asynccontextmanager
+    async def _model_turn(self, slug: str) -> AsyncIterator[None]:
+        """One at a time per model: a delete, and a pull's check of the copy on disk. A pull
+        that arrived while a delete removed files found them half gone and answered "cached"
+        with a directory about to vanish, or started a download into it."""
+        turn = self._turns.setdefault(slug, [asyncio.Lock(), 0])
+        turn[1] += 1
+        try:
+            async with turn[0]:
+                yield
+        finally:
+            turn[1] -= 1
+            if turn[1] == 0:
+                self._turns.pop(slug, None)
+
     async def delete(self, slug: str, filters: list[str] | None = None) -> dict[str, Any]:
-        if any(slug_for_safe(base) == slug for base in self._jobs):
-            raise StoreError(409, f"Model '{slug}' is being pulled")
-        return await asyncio.to_thread(self._delete, slug, filters)
+        async with self._model_turn(slug):
+            # Checked in the turn: a pull that found no usable copy registers its download
+            # right after its turn, before any other task runs (nothing is awaited between).
+            if any(slug_for_safe(base) == slug for base in self._jobs):
+                raise StoreError(409, f"Model '{slug}' is being pulled")
+            return await asyncio.to_thread(self._delete, slug, filters)
 
     def _delete(self, slug: str, filters: list[str] | None) -> dict[str, Any]:
         entry, root = self._entry_for_slug(slug)
