@@ -60,16 +60,23 @@ async def http_get(
         return await run()
 
 
-async def is_healthy(
+async def answer_status(
     host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0
-) -> bool:
+) -> int | None:
+    """The HTTP status GET `path` is answered with; None when nothing answers in time."""
     try:
         status, _ = await http_get(
             host, port, path, bearer=bearer, timeout=timeout, max_bytes=65536
         )
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
-        return False
-    return status == 200
+        return None
+    return status
+
+
+async def is_healthy(
+    host: str, port: int, path: str, bearer: str | None, timeout: float = 1.0
+) -> bool:
+    return await answer_status(host, port, path, bearer, timeout) == 200
 
 
 class ProbePacer:

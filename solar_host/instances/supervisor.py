@@ -35,7 +35,7 @@ from solar_host.instances.errors import (
     NotPersisted,
     StartFailed,
 )
-from solar_host.instances.httpcheck import http_get, is_healthy, probe_address
+from solar_host.instances.httpcheck import answer_status, http_get, is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
@@ -743,18 +743,14 @@ class Supervisor:
                 return
             # Any HTTP answer is an answer: a 503 while busy, a 401 for a key the backend no
             # longer shares, a 500, all come from a backend that runs. Silence is not one.
-            try:
-                await http_get(
-                    probe_address(self.instance.config.host),
-                    self.instance.port,
-                    path,
-                    bearer=self._bearer(),
-                    timeout=min(max(interval, 1.0), 10.0),
-                    max_bytes=65536,
-                )
-                ok = True
-            except (OSError, TimeoutError, asyncio.IncompleteReadError):
-                ok = False
+            status = await answer_status(
+                probe_address(self.instance.config.host),
+                self.instance.port,
+                path,
+                self._bearer(),
+                min(max(interval, 1.0), 10.0),
+            )
+            ok = status is not None
             now = time.monotonic()
             if ok:
                 if failing_since is not None:
