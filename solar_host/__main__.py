@@ -1,3 +1,3 @@
-from solar_host.cli import main
+from solar_host.cli.command import main
 
 raise SystemExit(main())

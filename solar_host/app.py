@@ -65,7 +65,7 @@ def install_validation_handlers(app: FastAPI) -> None:
     from starlette.requests import Request
     from starlette.websockets import WebSocket
 
-    from solar_host.textsafe import scrub
+    from solar_host.platform.textsafe import scrub
 
     async def http_invalid(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

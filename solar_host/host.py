@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from solar_host.events import EventBus
-from solar_host.logging_setup import add_secrets
+from solar_host.platform.logging_setup import add_secrets
+from solar_host.platform.statelock import StateLock, StateLocked
 from solar_host.resources.probes import BackgroundReading, LiveProbe, SystemProbe, disk_info
 from solar_host.settings import Settings
-from solar_host.statelock import StateLock, StateLocked
 
 log = logging.getLogger("solar_host")
 
@@ -37,7 +37,7 @@ def resolve_api_key(settings: Settings) -> tuple[str, bool]:
     """
     if settings.api_key:
         return settings.api_key, False
-    from solar_host.statefiles import StateFileError, read_api_key, store_api_key
+    from solar_host.platform.statefiles import StateFileError, read_api_key, store_api_key
 
     path = settings.api_key_file
     try:
@@ -178,7 +178,7 @@ class Host:
     async def _load_state(self) -> None:
         """Every service reads its state files before any starts: a damaged one stops the host
         here, before anything is written or any process touched (statefiles.py)."""
-        from solar_host.statefiles import StateFileError
+        from solar_host.platform.statefiles import StateFileError
 
         for service in self.services.values():
             load = getattr(service, "load_state", None)
@@ -249,7 +249,7 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     manager.manifest_lookup = store.lookup_dir
     resources.jobs = host.services.get("jobs")
     # --- metrics ----------------------------------------------------------------------------------
-    from solar_host.metrics import HostMetrics
+    from solar_host.metrics.service import HostMetrics
 
     host.add("metrics", overrides.pop("metrics", None) or HostMetrics(host))
     # --- control link (last: it reads every other service) ----------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from solar_host.logging_setup import configure_logging
+from solar_host.platform.logging_setup import configure_logging
 from solar_host.serving import staged_app
 from solar_host.settings import SettingsError, load_settings
 

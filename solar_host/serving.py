@@ -42,11 +42,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
-from solar_host.handover import HAND_OVER_SIGNALS
 from solar_host.host import Host, StartupError, build_host
-from solar_host.httpguard import guarded_protocol
-from solar_host.sdnotify import Notifier
-from solar_host.sdnotify import cancel as cancel_task
+from solar_host.platform.handover import HAND_OVER_SIGNALS
+from solar_host.platform.httpguard import guarded_protocol
+from solar_host.platform.sdnotify import Notifier
+from solar_host.platform.sdnotify import cancel as cancel_task
 from solar_host.settings import Settings
 
 log = logging.getLogger("solar_host")

@@ -30,7 +30,12 @@ from pydantic import (
     model_validator,
 )
 
-from solar_host.envfile import DEFAULT_ENV_FILE, EnvFileError, api_key_problem, read_env_file
+from solar_host.platform.envfile import (
+    DEFAULT_ENV_FILE,
+    EnvFileError,
+    api_key_problem,
+    read_env_file,
+)
 
 # Keys that appeared in old READMEs and example files. A host started with one of them would
 # be open to anyone who has read the docs, so start-up refuses them.
@@ -563,7 +568,7 @@ CLIENT_ONLY_NAMES = frozenset({"SOLAR_HOST_URL"})
 def settings_warnings(file_values: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
     """Unknown names in the env file (with the nearest setting), and environment variables one
     or two edits away from a setting's name (a typo the host would silently ignore)."""
-    from solar_host.spelling import nearest
+    from solar_host.platform.spelling import nearest
 
     names = [n.upper() for n in Settings.model_fields]
     known = set(names) | CLIENT_ONLY_NAMES

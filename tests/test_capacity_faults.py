@@ -25,12 +25,12 @@ from solar_host.control.payloads import PayloadBuilder
 from solar_host.estimates.capacity import CapacityGate, InsufficientMemory
 from solar_host.events import EventBus
 from solar_host.host import StartupError, build_host
+from solar_host.platform.statefiles import StateFileError, last_good_path
 from solar_host.resources.ledger_store import parse_reservations
 from solar_host.resources.probes import LiveProbe, memory_info
 from solar_host.resources.schemas import ReservationRequest
 from solar_host.resources.service import ResourceService
 from solar_host.settings import Settings
-from solar_host.statefiles import StateFileError, last_good_path
 from tests.fixtures.gguf_sized import Shape, write_sized_gguf
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.probes import FakeProbe

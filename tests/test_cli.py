@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from solar_host.backends.registry import BackendRegistry
-from solar_host.cli_pull import PlainPullLines, read_pull_progress
-from solar_host.client import HostClient
+from solar_host.cli.client import HostClient
+from solar_host.cli.pull_display import PlainPullLines, read_pull_progress
 from solar_host.events import PullProgress
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
@@ -439,7 +439,7 @@ async def test_create_says_no_empty_warning_and_delete_stops_a_running_instance(
 
 
 async def test_log_stream_errors_map_to_exit_code_classes(tmp_path: Path) -> None:
-    from solar_host.client import AuthFailed, HostUnreachable, OperationFailed
+    from solar_host.cli.client import AuthFailed, HostUnreachable, OperationFailed
 
     async def drain(c: HostClient, iid: str) -> None:
         async for _ in c.follow_logs(iid):
@@ -499,7 +499,7 @@ async def test_state_stream_carries_lifecycle_status(tmp_path: Path) -> None:
     ],
 )
 def test_loading_progress_is_read_from_progress_bars_only(line: str, percent: float | None) -> None:
-    from solar_host.cli_phases import load_percent
+    from solar_host.cli.phases import load_percent
 
     assert load_percent(line) == percent
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from solar_host.cli.restore import restore_state
 from solar_host.instances.store import InstanceStore
-from solar_host.restore import restore_state
-from solar_host.settings import Settings
-from solar_host.statefiles import (
+from solar_host.platform.statefiles import (
     PRIVATE,
     StateFileError,
     atomic_write_bytes,
@@ -24,6 +23,7 @@ from solar_host.statefiles import (
     read_api_key,
     store_api_key,
 )
+from solar_host.settings import Settings
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import uvicorn
 
-from solar_host.httpguard import guarded_protocol
+from solar_host.platform.httpguard import guarded_protocol
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.ports import free_port
 from tests.fixtures.waiting import closed_within

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from solar_host.host import Host
-from solar_host.metrics import HostMetrics
+from solar_host.metrics.service import HostMetrics
 from solar_host.settings import SettingsError, load_settings
 from tests.fixtures.control_server import ControlServer, free_port
 from tests.fixtures.registry import make_cert

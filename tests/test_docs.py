@@ -1,6 +1,6 @@
 """The documentation matches the code.
 
-* docs/configuration.md is exactly what `solar_host.docs_gen` produces, and every setting and
+* docs/configuration.md is exactly what `solar_host.cli.docs_gen` produces, and every setting and
   config field in it has a description;
 * the README's ```bash blocks marked `# example: <title> [expect <codes>]` run, in order and in
   one shell as an operator would paste them, against a live host (scripted backend, so starting
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from solar_host import docs_gen
 from solar_host.backends.registry import BackendRegistry
+from solar_host.cli import docs_gen
 from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 
@@ -55,7 +55,7 @@ def readme_examples(text: str) -> list[Example]:
 def test_configuration_reference_is_generated_from_the_code() -> None:
     current = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert current == docs_gen.render(), (
-        "docs/configuration.md is out of date: run `python -m solar_host.docs_gen`"
+        "docs/configuration.md is out of date: run `python -m solar_host.cli.docs_gen`"
     )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from solar_host import doctor
+from solar_host.cli import doctor
 from tests.fixtures.control_server import ControlServer
 from tests.fixtures.docker import DockerDaemon, docker_daemon  # noqa: F401 (fixture)
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host

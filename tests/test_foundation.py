@@ -17,8 +17,8 @@ import pytest
 from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.schemas import ConfigError, parse_config
 from solar_host.instances.store import InstanceStore
+from solar_host.platform.statefiles import StateFileError
 from solar_host.settings import Settings, SettingsError, load_settings
-from solar_host.statefiles import StateFileError
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from solar_host.handover import HandOverError, hand_over, running_host_pid
-from solar_host.sdnotify import Notifier
-from solar_host.statelock import StateLock, StateLocked, is_locked
+from solar_host.platform.handover import HandOverError, hand_over, running_host_pid
+from solar_host.platform.sdnotify import Notifier
+from solar_host.platform.statelock import StateLock, StateLocked, is_locked
 from tests.fixtures.host import free_port
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.pinger import Pinger
@@ -338,7 +338,7 @@ def test_handover_command_finds_the_host_by_its_state_directory(tmp_path: Path) 
 def test_a_host_that_exits_between_the_lock_probe_and_the_signal_counts_as_handed_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import solar_host.handover as handover
+    import solar_host.platform.handover as handover
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid names no process now

@@ -32,9 +32,9 @@ from solar_host.jobs.workspace import (
     create_workspace,
     delete_workspace,
 )
+from solar_host.platform.statefiles import StateFileError
 from solar_host.resources.probes import GB, GpuDevice, Usage
 from solar_host.settings import Settings
-from solar_host.statefiles import StateFileError
 
 
 def job(**kw: object) -> JobDefinition:

@@ -20,9 +20,9 @@ import pytest
 
 from solar_host.instances import confinement
 from solar_host.instances.logs import InotifyHub
-from solar_host.libc import libc
-from solar_host.log_limits import rotate_appended
 from solar_host.model_store import oci
+from solar_host.platform.libc import libc
+from solar_host.platform.log_limits import rotate_appended
 
 _SPAWNS = ("subprocess.Popen", "os.fork", "os.posix_spawn", "os.system", "os.exec")
 _seen: list[tuple[str, int]] | None = None  # set while a test records

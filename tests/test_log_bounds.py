@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from solar_host.backends.registry import BackendRegistry
 from solar_host.instances.logs import InotifyHub, LogFollower, count_lines
-from solar_host.log_limits import CUT_MARKER, RotatingWriter, cut_marker
+from solar_host.platform.log_limits import CUT_MARKER, RotatingWriter, cut_marker
 from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import ScriptBackend, script_config

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
-from solar_host.logging_setup import Redactor
+from solar_host.platform.logging_setup import Redactor
 from tests.fixtures.gguf import llama_server_binary, write_tiny_gguf
 from tests.fixtures.hostproc import HostProc
 

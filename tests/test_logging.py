@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from solar_host.backends.registry import BackendRegistry
-from solar_host.logging_setup import configure_logging
+from solar_host.platform.logging_setup import configure_logging
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend, script_config
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from solar_host import __version__
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import InstanceStartTimed, PullProgress
-from solar_host.metrics import Family, write_families
+from solar_host.metrics.families import Family, write_families
 from tests.fixtures.control_server import ControlServer
 from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.probes import FakeProbe

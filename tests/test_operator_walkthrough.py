@@ -15,9 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from solar_host import cli, doctor
+from solar_host.cli import command as cli
+from solar_host.cli import doctor
+from solar_host.cli import instances as cli_instances
+from solar_host.cli.exits import EXIT_USAGE
+from solar_host.cli.format import print_warnings
+from solar_host.platform.statelock import StateLock
 from solar_host.settings import SettingsError, load_settings
-from solar_host.statelock import StateLock
 from tests.fixtures.host import host_settings
 from tests.fixtures.ports import free_port
 
@@ -49,9 +53,9 @@ def run_cli(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[st
 
 def test_an_answer_without_warnings_prints_none(capsys: pytest.CaptureFixture[str]) -> None:
     for body in ({"warnings": []}, {}, {"warnings": None}):
-        cli._warn_all(body)
+        print_warnings(body)
     assert capsys.readouterr().err == ""
-    cli._warn_all({"warnings": ["unknown field ctx_sise: did you mean ctx_size?"]})
+    print_warnings({"warnings": ["unknown field ctx_sise: did you mean ctx_size?"]})
     assert capsys.readouterr().err == (
         "solar-host: warning: unknown field ctx_sise: did you mean ctx_size?\n"
     )
@@ -59,7 +63,7 @@ def test_an_answer_without_warnings_prints_none(capsys: pytest.CaptureFixture[st
 
 def _create_config(*args: str) -> dict[str, object]:
     parsed = cli.build_parser().parse_args(["create", *args])
-    return cli.create_body(parsed)["config"]
+    return cli_instances.create_body(parsed)["config"]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +87,7 @@ def test_the_command_lines_model_fields_match_the_hosts() -> None:
     from solar_host.instances.schemas import config_models, model_field_of
 
     for backend in config_models():
-        assert cli.model_field(backend) == model_field_of(backend), backend
+        assert cli_instances.model_field(backend) == model_field_of(backend), backend
 
 
 # --- --host / --port with other commands ---------------------------------------------------
@@ -93,12 +97,12 @@ def test_the_command_lines_model_fields_match_the_hosts() -> None:
 def test_serve_flags_with_another_command_are_refused(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cli.main(["--port", "18432", command]) == cli.EXIT_USAGE
+    assert cli.main(["--port", "18432", command]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--port" in err, err
     if command in ("status", "instances"):
         assert "--url" in err
-    assert cli.main(["--host", "127.0.0.1", "--port", "1", command]) == cli.EXIT_USAGE
+    assert cli.main(["--host", "127.0.0.1", "--port", "1", command]) == EXIT_USAGE
     assert "--host and --port" in capsys.readouterr().err
 
 

@@ -28,7 +28,7 @@ from pydantic_core import to_json
 
 from solar_host.instances import confinement
 from solar_host.instances.confinement import AccessPolicy, Ruleset
-from solar_host.libc import libc as c_library
+from solar_host.platform.libc import libc as c_library
 from tests.fixtures.host import API_KEY
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.script_backend import script_config

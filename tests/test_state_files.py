@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from solar_host.cli.restore import restore_state
 from solar_host.events import EventBus
 from solar_host.instances.schemas import Instance, parse_config
 from solar_host.instances.store import (
@@ -33,12 +34,11 @@ from solar_host.instances.store import (
     QuarantinedEntry,
     StoredInstance,
 )
+from solar_host.platform.statefiles import GroupCommit, StateFileError, atomic_write_bytes
 from solar_host.resources.ledger_store import ReservationStore
 from solar_host.resources.schemas import ReservationRequest
 from solar_host.resources.service import ResourceService
-from solar_host.restore import restore_state
 from solar_host.settings import Settings
-from solar_host.statefiles import GroupCommit, StateFileError, atomic_write_bytes
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.probes import FakeProbe
 from tests.fixtures.script_backend import script_config
@@ -478,7 +478,7 @@ def test_config_json_killed_while_saving_loses_no_acknowledged_change(tmp_path: 
 def test_restore_state_refuses_while_a_host_holds_the_state_directory(tmp_path: Path) -> None:
     """A running host would write over what is put back (and restore would replace a file
     under it): nothing is touched, exit 2, and the message names the holder."""
-    from solar_host.statelock import StateLock
+    from solar_host.platform.statelock import StateLock
 
     settings = Settings(
         api_key="k" * 20,

@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from solar_host.cli.restore import restore_state
 from solar_host.host import StartupError, resolve_api_key
-from solar_host.restore import restore_state
+from solar_host.platform.statefiles import StateFileError, read_api_key, store_api_key
 from solar_host.settings import Settings
-from solar_host.statefiles import StateFileError, read_api_key, store_api_key
 from tests.fixtures.hostproc import ROOT, HostProc
 from tests.fixtures.script_backend import script_config
 from tests.test_state_damage import refused

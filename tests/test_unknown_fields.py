@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from solar_host.platform.spelling import edit_distance, nearest
 from solar_host.settings import SettingsError, load_settings, settings_warnings
-from solar_host.spelling import edit_distance, nearest
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.hostproc import HostProc
 

@@ -30,7 +30,7 @@ from solar_host.jobs.service import (
     JobService,
 )
 from solar_host.jobs.workspace import InsufficientDiskError, WorkspaceError
-from solar_host.textsafe import CONTROL_CHARS_RE, refusal, unstorable
+from solar_host.platform.textsafe import CONTROL_CHARS_RE, refusal, unstorable
 
 router = APIRouter(tags=["jobs"])
 

@@ -20,7 +20,7 @@ async def metrics(request: Request) -> Response:
     service = request.app.state.host.services.get("metrics")
     if service is None:
         raise HTTPException(503, "Metrics are not enabled on this host")
-    from solar_host.metrics import CONTENT_TYPE
+    from solar_host.metrics.families import CONTENT_TYPE
 
     # Rendering reads the probe (NVML, psutil per backend process): off the event loop, which
     # a hung NVML would otherwise stop for every request.

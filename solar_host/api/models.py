@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from solar_host.model_store.pull import PullError, PullRequest
 from solar_host.model_store.service import StoreError
-from solar_host.textsafe import refusal, scrub, unstorable
+from solar_host.platform.textsafe import refusal, scrub, unstorable
 
 router = APIRouter(tags=["models"])
 

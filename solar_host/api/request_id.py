@@ -15,7 +15,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from solar_host.logging_setup import request_id_var
+from solar_host.platform.logging_setup import request_id_var
 
 HEADER = b"x-request-id"
 _VALID = re.compile(rb"^[A-Za-z0-9._:/+=@-]{1,128}$")

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 from pydantic import ConfigDict, Field, field_validator
 
-from solar_host.tracked import Tracked
+from solar_host.platform.tracked import Tracked
 
 # Variables that move a runtime's cache or scratch space elsewhere.
 CACHE_VARS = (

@@ -87,7 +87,7 @@ def memory_view(gate: Any, probe: Any, inst: Any, gpu_memory: Any = None) -> dic
 
 def memory_families(host: Any) -> list[Any]:
     """Prometheus families: estimated and measured bytes per instance and device."""
-    from solar_host.metrics import PREFIX, Family
+    from solar_host.metrics.families import PREFIX, Family
 
     manager = host.services.get("instances")
     gate = getattr(manager, "capacity", None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from solar_host.spelling import nearest
+from solar_host.platform.spelling import nearest
 
 # What solar-control puts in or carries through a config (contract 2.3: intent backends and
 # captured configs; the instance-level keys a migration copies or strips).

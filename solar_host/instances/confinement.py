@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from solar_host.backends.base import CACHE_VARS
-from solar_host.libc import libc as c_library
+from solar_host.platform.libc import libc as c_library
 
 log = logging.getLogger(__name__)
 

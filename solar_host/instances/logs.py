@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple
 
-from solar_host.libc import libc as c_library
-from solar_host.log_limits import Rotation, cut_marker, generation_path, rotate_appended
+from solar_host.platform.libc import libc as c_library
+from solar_host.platform.log_limits import Rotation, cut_marker, generation_path, rotate_appended
 
 log = logging.getLogger(__name__)
 

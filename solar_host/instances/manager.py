@@ -49,10 +49,10 @@ from solar_host.instances.schemas import (
 from solar_host.instances.states import ACTIVE, InstanceStatus
 from solar_host.instances.store import InstanceStore, LoadResult, StoredInstance
 from solar_host.instances.supervisor import Supervisor
-from solar_host.logging_setup import Redactor
+from solar_host.platform.logging_setup import Redactor
+from solar_host.platform.statefiles import private_dir
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
-from solar_host.statefiles import private_dir
 
 log = logging.getLogger(__name__)
 S = InstanceStatus

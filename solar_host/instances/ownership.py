@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from solar_host.instances import sockdiag
-from solar_host.statefiles import StateFileError, read_regular
+from solar_host.platform.statefiles import StateFileError, read_regular
 
 MARKER_VAR = "SOLAR_HOST_MARKER"
 # The API port the host gave the backend, beside the marker: a backend whose spawn the host did

@@ -28,8 +28,8 @@ from solar_host.model_store.sources import (
     resolve_local_uri,
     resolve_model_path,
 )
-from solar_host.textsafe import CONTROL_CHARS_RE, NOT_FINITE, NOT_UNICODE, unstorable
-from solar_host.tracked import Tracked
+from solar_host.platform.textsafe import CONTROL_CHARS_RE, NOT_FINITE, NOT_UNICODE, unstorable
+from solar_host.platform.tracked import Tracked
 
 InstanceConfig = Annotated[
     LlamaCppConfig

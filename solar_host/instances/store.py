@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from pydantic_core import to_json
 
 from solar_host.instances.schemas import ConfigError, Instance, parse_config
-from solar_host.statefiles import (
+from solar_host.platform.statefiles import (
     PRIVATE,
     GroupCommit,
     StateFileError,
@@ -32,7 +32,7 @@ from solar_host.statefiles import (
     sweep_temp_files,
     tighten_mode,
 )
-from solar_host.tracked import DirtySet, Tracked
+from solar_host.platform.tracked import DirtySet, Tracked
 
 __all__ = ["InstanceStore", "ProcessRecord", "StoredInstance", "atomic_write_bytes"]
 

@@ -40,9 +40,9 @@ from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
-from solar_host.logging_setup import Redactor, instance_id_var
 from solar_host.model_store.roots import anchor_relative
 from solar_host.model_store.roots import check_config as check_model_roots
+from solar_host.platform.logging_setup import Redactor, instance_id_var
 
 if TYPE_CHECKING:
     from solar_host.instances.manager import InstanceManager

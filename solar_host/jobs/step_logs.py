@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.events import EventBus, StepLog, iso_now
-from solar_host.log_limits import RotatingWriter, cut_marker
+from solar_host.platform.log_limits import RotatingWriter, cut_marker
 
 log = logging.getLogger(__name__)
 

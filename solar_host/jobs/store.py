@@ -25,7 +25,7 @@ from typing import Any
 
 from solar_host.events import utc_now
 from solar_host.jobs.schemas import JobState, JobStatus, StepStatus, validate_slug
-from solar_host.statefiles import (
+from solar_host.platform.statefiles import (
     PRIVATE,
     GroupCommit,
     StateFileError,

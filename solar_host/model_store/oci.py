@@ -553,7 +553,7 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
         try:
             import ctypes
 
-            from solar_host.libc import libc
+            from solar_host.platform.libc import libc
 
             fn = libc().sync_file_range
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]

@@ -15,9 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from solar_host.resources.ledger import Reservation, in_force
-from solar_host.resources.schemas import MAX_RESERVATION_GB
-from solar_host.statefiles import (
+from solar_host.platform.statefiles import (
     PRIVATE,
     GroupCommit,
     StateFileError,
@@ -28,6 +26,8 @@ from solar_host.statefiles import (
     sweep_temp_files,
     tighten_mode,
 )
+from solar_host.resources.ledger import Reservation, in_force
+from solar_host.resources.schemas import MAX_RESERVATION_GB
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from solar_host.httpguard import guarded_protocol
+from solar_host.platform.httpguard import guarded_protocol
 from solar_host.servers.hf_batcher import DynamicBatcher
 from solar_host.servers.hf_images import ImageLoader, ImagePolicy
 from solar_host.servers.hf_protocol import (

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from solar_host.libc import libc
+from solar_host.platform.libc import libc
 
 _FALLOC_FL_COLLAPSE_RANGE = 0x08
 

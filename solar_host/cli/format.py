@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,3 +65,41 @@ def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]} [... {len(text) - limit} more characters not shown]"
+
+
+# --- messages and instance records -------------------------------------------------------
+
+
+def print_error(msg: str) -> None:
+    print(f"solar-host: {msg}", file=sys.stderr)
+
+
+def print_warnings(body: dict[str, Any]) -> None:
+    warnings = body.get("warnings")
+    if not warnings:
+        return
+    for w in warnings if isinstance(warnings, list) else (warnings,):
+        print(f"solar-host: warning: {visible(w)}", file=sys.stderr)
+
+
+def record(body: dict[str, Any], key: str, default: Any = None) -> dict[str, Any]:
+    """body[key] when it is an object (an instance record in an answer), else `default`."""
+    value = body.get(key)
+    return value if isinstance(value, dict) else (default if default is not None else {})
+
+
+def where(inst: dict[str, Any]) -> str:
+    if not inst.get("pid"):
+        return ""
+    return f" (port {visible(inst.get('port'))}, pid {visible(inst.get('pid'))})"
+
+
+def label(inst: dict[str, Any]) -> str:
+    alias = record(inst, "config").get("alias")
+    iid = visible(inst.get("id"))
+    return f"{iid} ({visible(alias)})" if alias else iid
+
+
+def state_line(inst: dict[str, Any]) -> str:
+    """`ID: STATUS (port P, pid N)` of an instance record, for humans."""
+    return f"{visible(inst.get('id'))}: {visible(inst.get('status'))}{where(inst)}"

@@ -72,7 +72,7 @@ def _key(settings: Settings) -> tuple[str, str]:
 
 def _env_file_exposes_key(env_file: str | Path | None) -> str | None:
     """`env_file` when it holds an API_KEY and group or others may read it; else None."""
-    from solar_host.envfile import EnvFileError, read_env_file
+    from solar_host.platform.envfile import EnvFileError, read_env_file
 
     if env_file is None:
         return None
@@ -465,7 +465,7 @@ def register(sub: Any) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from solar_host.cli import env_file_choice
+    from solar_host.cli.connection import env_file_choice
     from solar_host.settings import SettingsError, load_settings
 
     env_file, required = env_file_choice(args)

@@ -16,25 +16,34 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from solar_host import __version__
 from solar_host.events import InstancesChanged, InstanceStartTimed, LogLine, PullProgress
 from solar_host.instances.states import InstanceStatus
+from solar_host.metrics.families import PREFIX, Family, write_families
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-    from solar_host.host import Host
+    from solar_host.events import EventBus
+    from solar_host.resources.probes import SystemProbe
+    from solar_host.settings import Settings
+
+
+class MetricsSource(Protocol):
+    """What the metrics read of a host: its bus, probe, settings and services by name (the
+    composition root satisfies it; this package never imports it)."""
+
+    bus: EventBus
+    probe: SystemProbe
+    settings: Settings
+    services: dict[str, Any]
+
 
 log = logging.getLogger(__name__)
 
-# The classic text format: every name here is a legacy-valid name, so what is written is exactly
-# version 0.0.4, which every Prometheus version reads.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "solar_host"
 
 # Start phases span a tiny model on a warm disk (< 1 s) to a large one from a cold disk (minutes,
 # bounded by START_DEADLINE_S).
@@ -50,29 +59,6 @@ INSTANCE_COUNTERS = {
     "restarts": "Restarts after a crash.",
     "crashes": "Unexpected exits of a running backend.",
 }
-
-
-@dataclass(slots=True)
-class Family:
-    """One metric family as plain data. A counter's `name` is without the `_total` suffix."""
-
-    name: str
-    kind: str  # "gauge" | "counter"
-    help: str
-    labels: tuple[str, ...] = ()
-    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
-
-    def add(self, labels: tuple[str, ...], value: float) -> None:
-        self.samples.append((labels, value))
-
-    def to_metric(self) -> Metric:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        cls = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
-        m = cls(self.name, self.help, labels=self.labels)
-        for labels, value in self.samples:
-            m.add_metric(labels, value)
-        return m
 
 
 def _control_refusals(c: dict[str, Any]) -> Family:
@@ -93,50 +79,10 @@ def _control_refusals(c: dict[str, Any]) -> Family:
     return refused
 
 
-def _escape(value: str) -> str:
-    if "\\" in value or '"' in value or "\n" in value:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return value
-
-
-def _number(value: float) -> str:
-    if type(value) is int:  # most samples: counts
-        return str(value)
-    value = float(value)
-    if value != value:
-        return "NaN"
-    if value in (float("inf"), float("-inf")):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value)
-
-
-def write_families(families: Iterable[Family]) -> str:
-    """The text exposition (version 0.0.4) of `families`."""
-    out: list[str] = []
-    for f in families:
-        name = f.name + "_total" if f.kind == "counter" else f.name
-        help_text = f.help.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {name} {help_text}\n# TYPE {name} {f.kind}\n")
-        keys = f.labels
-        if len(keys) == 1:  # the per-instance families: the hot path
-            prefix = f'{name}{{{keys[0]}="'
-            out.extend(
-                f'{prefix}{_escape(labels[0])}"}} {_number(value)}\n' for labels, value in f.samples
-            )
-            continue
-        for labels, value in f.samples:
-            if keys:
-                pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in zip(keys, labels, strict=True))
-                out.append(f"{name}{{{pairs}}} {_number(value)}\n")
-            else:
-                out.append(f"{name} {_number(value)}\n")
-    return "".join(out)
-
-
 class HostMetrics:
     """The metrics service of a host: `render()` is the body of GET /metrics."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: MetricsSource) -> None:
         self.host = host
         # prometheus_client is imported at the first scrape, not at start-up (it costs the
         # idle host 1.3 MB and 30 ms); start durations observed before then wait here.
@@ -271,12 +217,12 @@ class HostMetrics:
 
     # --- families -------------------------------------------------------------------------------
 
-    def _memory_families(self, host: Host) -> Iterator[Family]:
+    def _memory_families(self, host: MetricsSource) -> Iterator[Family]:
         from solar_host.estimates.accounting import memory_families
 
         yield from memory_families(host)
 
-    def _host_families(self, host: Host) -> Iterator[Family]:
+    def _host_families(self, host: MetricsSource) -> Iterator[Family]:
         info = Family(
             f"{PREFIX}_info",
             "gauge",
@@ -290,7 +236,7 @@ class HostMetrics:
         info.add((__version__, gpu_type, host.settings.effective_host_name), 1)
         yield info
 
-    def _instance_families(self, host: Host) -> Iterator[Family]:
+    def _instance_families(self, host: MetricsSource) -> Iterator[Family]:
         manager = host.services.get("instances")
         sups = list(getattr(manager, "supervisors", {}).values())
         by_state = dict.fromkeys(INSTANCE_STATES, 0)
@@ -332,7 +278,7 @@ class HostMetrics:
             yield fam
         yield lines
 
-    def _pull_families(self, host: Host) -> Iterator[Family]:
+    def _pull_families(self, host: MetricsSource) -> Iterator[Family]:
         pulls = Family(
             f"{PREFIX}_model_pulls", "counter", "Finished model pulls by outcome.", ("phase",)
         )
@@ -369,7 +315,7 @@ class HostMetrics:
         yield done
         yield size
 
-    def _control_families(self, host: Host) -> Iterator[Family]:
+    def _control_families(self, host: MetricsSource) -> Iterator[Family]:
         control = host.services.get("control")
         if control is None or not hasattr(control, "metrics"):
             return
@@ -427,7 +373,7 @@ class HostMetrics:
         yield dropped
         yield _control_refusals(c)
 
-    def _resource_families(self, host: Host) -> Iterator[Family]:
+    def _resource_families(self, host: MetricsSource) -> Iterator[Family]:
         resources = host.services.get("resources")
         if resources is None:
             return
@@ -470,7 +416,7 @@ class HostMetrics:
             held.add((dim,), round(gib * GIB))
         yield held
 
-    def _job_families(self, host: Host) -> Iterator[Family]:
+    def _job_families(self, host: MetricsSource) -> Iterator[Family]:
         jobs = host.services.get("jobs")
         if jobs is None:
             return

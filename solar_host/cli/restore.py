@@ -16,8 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from solar_host.settings import Settings
-from solar_host.statefiles import (
+from solar_host.platform.statefiles import (
     PRIVATE,
     StateFileError,
     atomic_write_bytes,
@@ -27,7 +26,8 @@ from solar_host.statefiles import (
     read_state_bytes,
     real_file,
 )
-from solar_host.statelock import StateLock, StateLocked, holder_pid, is_locked
+from solar_host.platform.statelock import StateLock, StateLocked, holder_pid, is_locked
+from solar_host.settings import Settings
 
 Check = Callable[[Path, bytes], str]  # raises StateFileError; returns a short summary
 

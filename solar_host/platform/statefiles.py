@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from solar_host.envfile import api_key_problem
+from solar_host.platform.envfile import api_key_problem
 
 log = logging.getLogger(__name__)
 

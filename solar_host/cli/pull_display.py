@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, TextIO
 
-from solar_host.cli_format import human_bytes, human_duration, visible
+from solar_host.cli.format import human_bytes, human_duration, visible
 
 
 def read_pull_progress(metrics_text: str, uri: str) -> tuple[str | None, int | None, int | None]:

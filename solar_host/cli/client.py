@@ -17,8 +17,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
-from solar_host.cli_format import clip, visible
-from solar_host.envfile import api_key_problem
+from solar_host.cli.format import clip, visible
+from solar_host.platform.envfile import api_key_problem
 
 # Longest --timeout: beyond a day is a typo (and past ~1e9 s the socket layer refuses it).
 MAX_TIMEOUT_S = 86400.0

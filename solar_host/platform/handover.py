@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from solar_host.statelock import holder_pid, is_locked
+from solar_host.platform.statelock import holder_pid, is_locked
 
 # The signal that asks a running host to exit and leave its backends to the next one.
 HAND_OVER_SIGNAL = signal.SIGUSR2
