@@ -279,3 +279,35 @@ def test_boot_restarts_instances_that_were_running(
             inst = wait_running(c, iid, 300)
             assert inst and inst["status"] == "running" and inst["pid"] != pid
             c.post(f"/instances/{iid}/stop")
+
+
+async def test_usage_is_read_from_a_real_llama_server_metrics(
+    tmp_path: Path, llama_bin: str, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /instances/{id}/usage carries llama.cpp's own counters from its /metrics. Before
+    backends declared their capabilities as methods, the llama.cpp backend's snapshot was a
+    module function the supervisor's name lookup never found: usage stayed empty."""
+    from solar_host.instances import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "METRICS_POLL_S", 0.1)
+    s = host_settings(tmp_path, llama_server_bin=llama_bin, model_roots=str(tiny_gguf.parent))
+    async with running_host(s) as h:
+        iid = (await h.client.post("/instances", json={"config": llama_cfg(tiny_gguf)})).json()[
+            "instance"
+        ]["id"]
+        inst = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]
+        assert (await chat(inst["port"])).status_code == 200
+        usage: dict = {}
+        for _ in range(100):  # a scrape every 0.1 s
+            r = await h.client.get(f"/instances/{iid}/usage")
+            usage = r.json()
+            if r.status_code == 200 and (usage.get("generated_tokens_total") or 0) > 0:
+                break
+            await asyncio.sleep(0.1)
+        assert usage.get("backend_type") == "llamacpp", usage
+        # The counters llama-server exports, under our names (backends/llamacpp.PROMETHEUS_NAMES).
+        assert usage["generated_tokens_total"] > 0  # the chat above
+        assert usage["prompt_tokens_total"] > 0
+        assert usage["requests_processing"] == 0
+        assert "timestamp" in usage
+        await h.client.post(f"/instances/{iid}/stop")

@@ -9,7 +9,7 @@ process, a socket or a file it was not handed: the supervisor does that.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -256,6 +256,62 @@ class Backend(Protocol):
     def model_paths(self, config: BackendConfigBase) -> list[str]: ...
 
     def is_available(self, facts: HostFacts) -> bool: ...
+
+    def availability(self, facts: HostFacts) -> Availability: ...
+
+    def preflight(self, config: BackendConfigBase) -> list[str]: ...
+
+    def create_refusals(
+        self, config: BackendConfigBase, facts: HostFacts
+    ) -> list[dict[str, str]]: ...
+
+    def before_start(self, config: BackendConfigBase, ctx: LaunchContext) -> list[str]: ...
+
+    def after_stop(self, config: BackendConfigBase, cache_root: str, instance_id: str) -> None: ...
+
+    def usage_snapshot(self, metrics: Mapping[str, float]) -> dict[str, Any] | None: ...
+
+    def sweep_caches(self, root: str, keep: Iterable[tuple[str, str]] = ()) -> list[Path]: ...
+
+
+class BackendBase:
+    """What a backend may do beyond launching, with what a backend that does none of it says.
+
+    Every backend class subclasses this and overrides what it does; the host calls these
+    methods on any backend (never looks them up by name), so a capability a backend lacks is
+    a default here, and one it has but misspells is a type error, not a silent no-op."""
+
+    def is_available(self, facts: HostFacts) -> bool:
+        return True
+
+    def availability(self, facts: HostFacts) -> Availability:
+        """Whether it can run on this host, with what, and why not (GET /, doctor, start log)."""
+        ok = bool(self.is_available(facts))
+        return Availability(ok, type(self).__name__, None if ok else "not available on this host")
+
+    def preflight(self, config: BackendConfigBase) -> list[str]:
+        """What about the config's files would fail every attempt (checked before a spawn)."""
+        return []
+
+    def create_refusals(self, config: BackendConfigBase, facts: HostFacts) -> list[dict[str, str]]:
+        """Fields this host cannot honour, refused with 422 at create: {"field", "msg"}."""
+        return []
+
+    def before_start(self, config: BackendConfigBase, ctx: LaunchContext) -> list[str]:
+        """Prepare what the launch needs on disk (a cache directory); returns warnings."""
+        return []
+
+    def after_stop(self, config: BackendConfigBase, cache_root: str, instance_id: str) -> None:
+        """Clean up after the backend of `instance_id` ended (stopped, crashed, failed)."""
+        return None
+
+    def usage_snapshot(self, metrics: Mapping[str, float]) -> dict[str, Any] | None:
+        """Its usage counters under our names from a /metrics scrape; None when it has none."""
+        return None
+
+    def sweep_caches(self, root: str, keep: Iterable[tuple[str, str]] = ()) -> list[Path]:
+        """Remove leftover caches under `root` except those of (alias, instance id) in `keep`."""
+        return []
 
 
 VISION_CAPABILITIES = ["completion", "multimodal"]

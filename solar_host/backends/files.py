@@ -259,3 +259,25 @@ def gguf_file(field: str, path: str | os.PathLike[str]) -> str | None:
             "point it at the .gguf model file"
         )
     return None
+
+
+def model_path(field: str, path: str | os.PathLike[str]) -> str | None:
+    """Why a local model path (file or directory) cannot be read, or None."""
+    p = Path(path)
+    if not p.exists():
+        return f"{field}: {p} does not exist"
+    if not os.access(p, os.R_OK | (os.X_OK if p.is_dir() else 0)):
+        return f"{field}: {p} is not readable by the host user (uid {os.getuid()})"
+    return None
+
+
+def local_model_problems(backend: Any, config: Any, field: str) -> list[str]:
+    """Why the absolute model paths of a directory-model backend (HF, SGLang) cannot be read;
+    `field` names the config field they come from."""
+    found = []
+    for path in backend.model_paths(config):
+        if os.path.isabs(path):
+            problem = model_path(field, path)
+            if problem:
+                found.append(problem)
+    return found

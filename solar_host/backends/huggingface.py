@@ -19,6 +19,8 @@ from typing import ClassVar
 
 from solar_host.backends.base import (
     VISION_CAPABILITIES,
+    Availability,
+    BackendBase,
     BackendConfigBase,
     GenerationMetrics,
     HostFacts,
@@ -29,6 +31,7 @@ from solar_host.backends.base import (
     RuntimeState,
     vision_capabilities_of_dir,
 )
+from solar_host.backends.files import local_model_problems
 from solar_host.backends.huggingface_config import (
     HuggingFaceCausalConfig,
     HuggingFaceClassificationConfig,
@@ -174,7 +177,7 @@ class HFLogParser:
         return None
 
 
-class HuggingFaceBackend:
+class HuggingFaceBackend(BackendBase):
     backend_types: ClassVar[tuple[str, ...]] = tuple(CONFIGS)
     health_path: ClassVar[str | None] = "/health"
     metrics_path: ClassVar[str | None] = None
@@ -264,6 +267,20 @@ class HuggingFaceBackend:
 
     def is_available(self, facts: HostFacts) -> bool:
         return facts.hf_available
+
+    def availability(self, facts: HostFacts) -> Availability:
+        if facts.hf_available:
+            return Availability(True, f"python -m {SERVER_MODULE} ({sys.executable})")
+        return Availability(
+            False,
+            reason="torch and transformers are not installed in this Python: "
+            "install the huggingface extra (pip install '.[huggingface]' in the solar-host "
+            "checkout; CPU-only torch: see the README)",
+        )
+
+    def preflight(self, config: BackendConfigBase) -> list[str]:
+        # Its model is a directory (or a Hub id, which is not a path): it must be there.
+        return local_model_problems(self, config, "model_id")
 
 
 BACKEND = HuggingFaceBackend()

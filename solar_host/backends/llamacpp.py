@@ -19,12 +19,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from solar_host.backends import llamacpp_exec
 from solar_host.backends.base import (
     VISION_CAPABILITIES,
     Availability,
+    BackendBase,
     BackendConfigBase,
     GenerationMetrics,
     HostFacts,
@@ -368,7 +369,7 @@ def _num(value: float) -> str:
     return str(value)
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(BackendBase):
     backend_types: ClassVar[tuple[str, ...]] = ("llamacpp",)
     health_path: ClassVar[str | None] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
@@ -455,6 +456,9 @@ class LlamaCppBackend:
     def model_paths(self, config: BackendConfigBase) -> list[str]:
         names = ("model", "mmproj", "spec_draft_model", "chat_template_file")
         return [v for v in (getattr(config, n, None) for n in names) if v]
+
+    def usage_snapshot(self, metrics: Mapping[str, float]) -> dict[str, Any] | None:
+        return usage_snapshot(metrics)
 
     def is_available(self, facts: HostFacts) -> bool:
         return llamacpp_exec.resolve(facts.llama_server_bin).available

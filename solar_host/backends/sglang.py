@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 from solar_host.backends import sglang_cache
 from solar_host.backends.base import (
+    Availability,
+    BackendBase,
     BackendConfigBase,
     GenerationMetrics,
     HostFacts,
@@ -35,6 +37,7 @@ from solar_host.backends.base import (
     utc_now_iso,
     vision_capabilities_of_dir,
 )
+from solar_host.backends.files import local_model_problems
 from solar_host.backends.sglang_config import SglangConfig
 
 CACHE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
@@ -366,7 +369,7 @@ class SglangLogParser:
 # --- The backend ------------------------------------------------------------------------------
 
 
-class SglangBackend:
+class SglangBackend(BackendBase):
     backend_types: ClassVar[tuple[str, ...]] = ("sglang",)
     # Readiness is the log line only. SGLang prints the uvicorn banner before its warmup
     # request, and older releases answer /health with 200 before warmup ends as well (0.5.23
@@ -503,6 +506,28 @@ class SglangBackend:
             resolve_executable(facts.sglang_venv_path) is not None
         )
 
+    def availability(self, facts: HostFacts) -> Availability:
+        argv = resolve_executable(facts.sglang_venv_path)
+        if facts.gpu_type != "nvidia_cuda":
+            return Availability(
+                False,
+                " ".join(argv) if argv else None,
+                "SGLang backend requires an NVIDIA CUDA host "
+                f"(this host reports gpu_type={facts.gpu_type!r})",
+            )
+        if argv is None:
+            where = (
+                f"SGLANG_VENV_PATH={facts.sglang_venv_path} has no bin/sglang or bin/python"
+                if facts.sglang_venv_path
+                else "no sglang on PATH and SGLANG_VENV_PATH is not set"
+            )
+            return Availability(False, None, f"{where}: install SGLang in a virtualenv and set it")
+        return Availability(True, " ".join(argv))
+
+    def preflight(self, config: BackendConfigBase) -> list[str]:
+        # Its model is a directory (or a Hub id, which is not a path): it must be there.
+        return local_model_problems(self, config, "model_path")
+
     def usage_snapshot(self, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         return usage_snapshot(metrics)
 
@@ -531,15 +556,15 @@ class SglangBackend:
         except Exception:  # pragma: no cover - discard itself never raises
             pass
 
-    def sweep_caches(self, root: str, keep_instances: Iterable[tuple[str, str]] = ()) -> list[Path]:
+    def sweep_caches(self, root: str, keep: Iterable[tuple[str, str]] = ()) -> list[Path]:
         """At boot, before any start: detach and purge every instance cache under `root`
         except those of re-adopted instances, given as (alias, instance_id) pairs."""
-        keep = []
-        for alias, instance_id in keep_instances:
+        names = []
+        for alias, instance_id in keep:
             path = sglang_cache.instance_cache_dir(root, alias, instance_id)
             if path is not None:
-                keep.append(path.name)
-        return sglang_cache.sweep(root, keep)
+                names.append(path.name)
+        return sglang_cache.sweep(root, names)
 
 
 BACKEND = SglangBackend()

@@ -282,16 +282,13 @@ class InstanceManager:
         root = self.settings.sglang_prompt_cache_dir
         if not root or "sglang" not in self.backends.types():
             return
-        sweep = getattr(self.backends.for_type("sglang"), "sweep_caches", None)
-        if sweep is None:
-            return
         keep = [
             (s.instance.config.alias, s.id)
             for s in adopted
             if s.instance.config.backend_type == "sglang"
         ]
         try:
-            sweep(root, keep)
+            self.backends.for_type("sglang").sweep_caches(root, keep)
         except Exception:
             log.exception("prompt cache sweep failed")
 
@@ -550,8 +547,7 @@ class InstanceManager:
                 log.warning("config of %s: %s", config.alias, msg)
                 if warnings is not None:
                     warnings.append(msg)
-        refuse = getattr(backend, "create_refusals", None)
-        for r in refuse(config, self.facts()) if refuse is not None else ():
+        for r in backend.create_refusals(config, self.facts()) if backend is not None else ():
             errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
         if errors:
             raise InvalidInstanceConfig(errors)

@@ -448,10 +448,8 @@ class Supervisor:
             opened = config.model_copy()
             anchor_relative(opened, settings.models_dir)
             preflight.check(backend, opened, self.m.facts())  # not retried, nothing spawned
-            hook = getattr(backend, "before_start", None)
-            if hook is not None:
-                for w in hook(config, ctx) or ():
-                    log.warning("%s: %s", config.alias, w)
+            for w in backend.before_start(config, ctx):
+                log.warning("%s: %s", config.alias, w)
             spec = backend.launch(config, ctx)
             apply_placement(self, spec)
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
@@ -937,8 +935,7 @@ class Supervisor:
                 continue
             if status == 200:
                 metrics = parse_prometheus_text(body.decode("utf-8", "replace"))
-                snapshot_of = getattr(backend, "usage_snapshot", None)
-                snapshot = snapshot_of(metrics) if snapshot_of is not None else None
+                snapshot = backend.usage_snapshot(metrics)
                 self.telemetry.apply_metrics(metrics, snapshot, backend_type)
 
     # --- stop ------------------------------------------------------------------------------------
@@ -1052,13 +1049,12 @@ class Supervisor:
 
     def _after_stop_hook(self) -> None:
         self.m.idle_logs.idle(self.id, self.ring)
-        backend = self.backend()
-        hook = getattr(backend, "after_stop", None)
-        if hook is not None:
-            try:
-                hook(self.instance.config, self.m.settings.sglang_prompt_cache_dir, self.id)
-            except Exception:
-                log.exception("after-stop hook of %s failed", self.id)
+        try:
+            self.backend().after_stop(
+                self.instance.config, self.m.settings.sglang_prompt_cache_dir, self.id
+            )
+        except Exception:
+            log.exception("after-stop hook of %s failed", self.id)
 
     # --- re-adoption -----------------------------------------------------------------------------
 
