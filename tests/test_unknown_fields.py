@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from solar_host.instances.config_fields import unknown_fields
 from solar_host.platform.spelling import edit_distance, nearest
 from solar_host.settings import SettingsError, load_settings, settings_warnings
-from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.control_server import ControlServer
+from tests.fixtures.host import API_KEY, host_settings, running_host
 from tests.fixtures.hostproc import HostProc
 
 
@@ -33,26 +38,120 @@ def test_spelling() -> None:
     assert nearest("zzzzzz", ["ctx_size"]) is None
 
 
-async def test_unknown_field_warns_in_response_and_log(
+async def test_an_unknown_field_like_no_known_one_warns_in_response_and_log(
     tmp_path: Path, model_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
     async with running_host(host_settings(tmp_path)) as h:
-        r = await h.client.post("/instances", json={"config": _cfg(model_file, ctx_sise=2048)})
+        r = await h.client.post(
+            "/instances", json={"config": _cfg(model_file, speculative_knob=2048)}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
-        assert body["warnings"] == ["unknown field ctx_sise: did you mean ctx_size?"]
+        # solar-control may be newer than this host: a field like none of ours is kept
+        assert body["warnings"] == ["unknown field speculative_knob"]
         # kept and echoed (control compares configs key by key), the default untouched
-        assert body["instance"]["config"]["ctx_sise"] == 2048
+        assert body["instance"]["config"]["speculative_knob"] == 2048
         assert body["instance"]["config"]["ctx_size"] == 131072
-        assert any("unknown field ctx_sise" in r.getMessage() for r in caplog.records)
+        assert any("unknown field speculative_knob" in r.getMessage() for r in caplog.records)
         iid = body["instance"]["id"]
-        r = await h.client.put(f"/instances/{iid}", json={"config": _cfg(model_file, thredas=2)})
+        r = await h.client.put(f"/instances/{iid}", json={"config": _cfg(model_file, ip=2)})
         assert r.status_code == 200
-        assert r.json()["warnings"] == ["unknown field thredas: did you mean threads?"]
+        assert r.json()["warnings"] == ["unknown field ip"]  # too short to be a typo of id
         # a clean config: no warnings key at all (the contract's body)
         r = await h.client.post("/instances", json={"config": _cfg(model_file)})
         assert "warnings" not in r.json()
+
+
+def test_what_counts_as_a_near_miss() -> None:
+    def near(key: str) -> str | None:
+        (found,) = unknown_fields({"backend_type": "llamacpp", key: 1})
+        return found.near_miss
+
+    assert near("ctx_sise") == "ctx_size"  # one letter
+    assert near("thredas") == "threads"  # a swap
+    assert near("CTX_SIZE") == "ctx_size"  # a case change
+    assert near("Id") == "id"  # a case change, however short
+    assert near("n_gpu_layrs") == "n_gpu_layers"
+    assert near("N-GPU-Layers") == "n_gpu_layers"  # case and - for _ are free
+    assert near("ip") is None  # under five letters one edit is another word
+    assert near("type") is None  # not dtype
+    assert near("min_length") is None  # two edits: a field of its own, not max_length
+    assert near("spec_draft_n_min") is None
+    assert near("speculative_knob") is None
+
+
+async def test_a_near_miss_of_a_known_field_is_refused_naming_both(
+    tmp_path: Path, model_file: Path
+) -> None:
+    """Ruling 25: `ctx_sise` stored with a warning ran with the default context; now it is a
+    422 on create, update and both estimate routes, and nothing is stored."""
+    async with running_host(host_settings(tmp_path)) as h:
+        r = await h.client.post("/instances", json={"config": _cfg(model_file, ctx_sise=2048)})
+        assert r.status_code == 422, r.text
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "config", "ctx_sise"]
+        assert err["msg"] == "unknown field ctx_sise: did you mean ctx_size?"
+        assert (await h.client.get("/instances")).json() == []
+
+        r = await h.client.post("/instances", json={"config": _cfg(model_file)})
+        iid = r.json()["instance"]["id"]
+        r = await h.client.put(f"/instances/{iid}", json={"config": _cfg(model_file, Threads=2)})
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["msg"] == "unknown field Threads: did you mean threads?"
+        assert "Threads" not in (await h.client.get(f"/instances/{iid}")).json()["config"]
+
+        r = await h.client.post(
+            "/instances/estimate", json={"config": _cfg(model_file, n_gpu_layrs=0)}
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"] == ["body", "config", "n_gpu_layrs"]
+        assert "did you mean n_gpu_layers?" in r.json()["detail"][0]["msg"]
+
+
+async def test_a_near_miss_is_refused_on_the_cli(tmp_path: Path, model_file: Path) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(_cfg(model_file, ctx_sise=2048)))
+    async with running_host(host_settings(tmp_path)) as h:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "solar_host", "create", "--file", str(spec),
+            "--url", h.url, "--api-key", API_KEY,
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode != 0, out
+        assert "ctx_sise: did you mean ctx_size?" in err.decode(), err
+        assert (await h.client.get("/instances")).json() == []
+
+
+async def test_a_near_miss_is_refused_on_socket_commands(tmp_path: Path, model_file: Path) -> None:
+    server = ControlServer(known_keys={API_KEY: "host-1"})
+    await server.start()
+    try:
+        settings = host_settings(tmp_path, solar_control_url=server.url)
+        async with running_host(settings) as h:
+            await server.wait_until(lambda: len(server.sids) == 1, 20)
+            bad = {"config": _cfg(model_file, ctx_sise=2048)}
+            answer = await server.call("create_instance", bad, within_s=30)
+            assert answer["ok"] is False and answer["status"] == 422, answer
+            assert answer["error"]["code"] == "invalid_body"
+            assert "ctx_sise: did you mean ctx_size?" in answer["error"]["message"]
+            assert (await h.client.get("/instances")).json() == []
+
+            created = await server.call("create_instance", {"config": _cfg(model_file)})
+            assert created["ok"], created
+            iid = created["instance"]["id"]
+            answer = await server.call(
+                "update_instance",
+                {"instance_id": iid, "config": _cfg(model_file, ctx_sise=2048)},
+                within_s=30,
+            )
+            assert answer["status"] == 422, answer
+            assert "ctx_sise: did you mean ctx_size?" in answer["error"]["message"]
+    finally:
+        await server.stop()
 
 
 async def test_fields_control_sends_never_warn(tmp_path: Path, model_file: Path) -> None:
@@ -83,11 +182,13 @@ async def test_fields_control_sends_never_warn(tmp_path: Path, model_file: Path)
 
 async def test_strict_config_refuses_unknown_fields(tmp_path: Path, model_file: Path) -> None:
     async with running_host(host_settings(tmp_path, strict_config=True)) as h:
-        r = await h.client.post("/instances", json={"config": _cfg(model_file, ctx_sise=1)})
+        # a field like none of ours, a warning by default (a near miss is refused anyway)
+        cfg = _cfg(model_file, speculative_knob=1)
+        r = await h.client.post("/instances", json={"config": cfg})
         assert r.status_code == 422
         err = r.json()["detail"][0]
-        assert err["loc"] == ["body", "config", "ctx_sise"]
-        assert err["msg"] == "unknown field ctx_sise: did you mean ctx_size?"
+        assert err["loc"] == ["body", "config", "speculative_knob"]
+        assert err["msg"] == "unknown field speculative_knob"
         assert (await h.client.get("/instances")).json() == []
 
 

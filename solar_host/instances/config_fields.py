@@ -1,12 +1,14 @@
-"""Unknown keys in an instance config: kept and echoed (control compares configs key by key),
-but never silent. A key no backend knows gets a warning naming the nearest known field, or a
-422 under STRICT_CONFIG. Keys control sends (control-contract 2.3) never warn.
+"""Unknown keys in an instance config: never silent. A near miss of a known field (a case
+change, or a small edit: `ctx_sise`) is a typo whose value would be dropped for a default, so it
+is refused (ruling 25). Any other unknown key is kept and echoed (control compares configs key
+by key, and may be newer than this host) with a warning, or refused under STRICT_CONFIG. Keys
+control sends (control-contract 2.3) never warn.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 from solar_host.platform.spelling import nearest
 
@@ -39,10 +41,26 @@ def known_fields() -> frozenset[str]:
     return frozenset(out)
 
 
-def unknown_fields(raw: Any) -> list[tuple[str, str]]:
-    """(key, message) for each key of config `raw` that no backend and no control field knows.
+class UnknownField(NamedTuple):
+    key: str
+    message: str
+    # The known field this key is a near miss of (refused), or None (a warning).
+    near_miss: str | None
 
-    The suggestion comes from the fields of the config's own backend first.
+
+def near_miss_edits(key: str) -> int:
+    """How many edits still make `key` a typo of a known field rather than a field of its own.
+
+    One (a letter wrong, missing, extra or swapped with its neighbour): two would take
+    `min_length` for `max_length` and `spec_draft_n_min` for `spec_draft_n_max`. None for a key
+    under five letters (`type` is not `dtype`), where only case and `-` for `_` count."""
+    return 0 if len(key) < 5 else 1
+
+
+def unknown_fields(raw: Any) -> list[UnknownField]:
+    """Each key of config `raw` that no backend and no control field knows.
+
+    A near miss is looked for among the fields of the config's own backend first.
     """
     if not isinstance(raw, dict):
         return []
@@ -52,7 +70,9 @@ def unknown_fields(raw: Any) -> list[tuple[str, str]]:
     for key in raw:
         if not isinstance(key, str) or key in known:
             continue
-        guess = nearest(key, sorted(own)) or nearest(key, sorted(known))
+        edits = near_miss_edits(key)
+        spelt = key.replace("-", "_")  # nearest() already ignores case
+        guess = nearest(spelt, sorted(own), edits) or nearest(spelt, sorted(known), edits)
         hint = f": did you mean {guess}?" if guess else ""
-        out.append((key, f"unknown field {key}{hint}"))
+        out.append(UnknownField(key, f"unknown field {key}{hint}", guess))
     return out

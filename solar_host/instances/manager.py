@@ -521,13 +521,14 @@ class InstanceManager:
     def _check_config(
         self, raw: Any, config: Any, loc: tuple[str, ...], warnings: list[str] | None
     ) -> None:
-        """Unknown fields (warned, or 422 under STRICT_CONFIG) and fields the backend this host
-        runs cannot honour (422): never silently dropped."""
+        """Unknown fields (a near miss of a known one: 422; others warned, or 422 under
+        STRICT_CONFIG) and fields the backend this host runs cannot honour (422): never
+        silently dropped."""
         from solar_host.instances.config_fields import unknown_fields
 
         errors: list[dict[str, Any]] = []
-        for key, msg in unknown_fields(raw):
-            if self.settings.strict_config:
+        for key, msg, near_miss in unknown_fields(raw):
+            if near_miss is not None or self.settings.strict_config:
                 errors.append({"loc": [*loc, key], "msg": msg, "type": "extra_forbidden"})
             else:
                 log.warning("config of %s: %s", config.alias, msg)
