@@ -5,6 +5,7 @@ dir), configures 100 instances, then drives each route at concurrency 1 and 64 f
 with `wrk` (apt: wrk; a C load generator, so the client is not the bottleneck) and prints
 requests/s, p50, p99 and the host's CPU (psutil on the host pid), beside the old release's
 figures and the targets (ruling 22). Run: `.venv/bin/python bench/api_load.py [--duration 10]`.
+`--root DIR` runs another tree's host (bench/hosts.py; bench/compare_revisions.py pairs two).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.hosts import add_tree_args, print_result, tree_host  # noqa: E402
 from tests.fixtures.hostproc import HostProc  # noqa: E402
 
 BASELINE = {"/instances": "~900 req/s, p99 ~130 ms (c=64)"}
@@ -105,25 +107,35 @@ def main() -> int:
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--instances", type=int, default=100)
     ap.add_argument("--threads", type=int, default=max(1, psutil.cpu_count() // 2))
+    ap.add_argument("--conc", default="1,64", help="concurrencies, comma-separated")
+    ap.add_argument("--routes", default="/instances,/health", help="paths, comma-separated")
+    add_tree_args(ap)
     args = ap.parse_args()
+    concs = [int(c) for c in args.conc.split(",")]
+    figures: dict[str, float] = {}
     if not shutil.which("wrk"):
         print("wrk is required (apt-get install -y wrk)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="api-load-") as tmp:
-        with HostProc(Path(tmp), backend="real", env={"LOG_LEVEL": "warning"}) as h:
+        with tree_host(Path(tmp), args, env={"LOG_LEVEL": "warning"}) as h:
             h.start()
             make_instances(h, args.instances)
             print(
-                f"host pid {h.pid}, {args.instances} instances, {psutil.cpu_count()} CPUs, "
+                f"host {h.root} pid {h.pid}, {args.instances} instances, "
+                f"{psutil.cpu_count()} CPUs, "
                 f"wrk threads {args.threads}, {args.duration}s per run"
             )
             print(
                 f"{'route':<12} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
                 f"{'host CPU%':>9} {'non-2xx':>7}  baseline / target"
             )
-            for path in ("/instances", "/health"):
-                for conc in (1, 64):
+            for path in args.routes.split(","):
+                for conc in concs:
                     r = measure(h, path, conc, args.duration, args.threads)
+                    for k in ("rps", "p50", "p99", "cpu", "non2xx"):
+                        figures[f"{path} c{conc} {k}"] = r.get(k, 0.0)
+                    # Requests per second of host CPU: what a loaded machine's share buys.
+                    figures[f"{path} c{conc} req/cpu-s"] = r["rps"] / max(r["cpu"], 1.0) * 100
                     note = ""
                     if conc == 64 and path in BASELINE:
                         note = f"  {BASELINE[path]} / {TARGET[path]}"
@@ -132,6 +144,7 @@ def main() -> int:
                         f"{r.get('p99', 0):>8.2f} {r['cpu']:>9.0f} {r['non2xx']:>7.0f}{note}",
                         flush=True,
                     )
+    print_result(args, figures)
     return 0
 
 

@@ -10,6 +10,7 @@ taken after every start (1 s after /health), so the median comes with its spread
 
 Targets (ruling 22): RSS <= 60 MiB, start-up <= 0.8 s; old release 74 MiB / 1.5 s.
 Run: `.venv/bin/python bench/idle_memory.py [--runs 5]` (figures are medians of the runs).
+`--root DIR` runs another tree's host (bench/hosts.py; bench/compare_revisions.py pairs two).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.api_load import make_instances  # noqa: E402
-from tests.fixtures.hostproc import HostProc  # noqa: E402
+from bench.hosts import TreeHost, add_tree_args, print_result, routed_path, tree_host  # noqa: E402
 
 # Native libraries only show in maps: torch (libtorch*.so) is the one the host must never load.
 HEAVY = ("torch", "libtorch", "cuda", "numpy")
@@ -40,29 +41,53 @@ def loaded_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
-def timed_start(h: HostProc) -> tuple[float, float]:
+def timed_start(h: TreeHost) -> tuple[float, float]:
     """(seconds to the first /health 200, seconds to the first routed 200), both from spawn."""
     t0 = time.monotonic()
     h.start(wait=False)
     health = h.wait_healthy(20.0, t0)
+    path = routed_path(h)
     with h.client(timeout=5.0) as c:
         while True:
-            if c.get("/resources").status_code == 200:
+            if c.get(path).status_code == 200:
                 return health, time.monotonic() - t0
             assert time.monotonic() - t0 < 20.0, "the REST router never answered"
             time.sleep(0.005)
+
+
+def with_instances(h: TreeHost, n: int, idle_runs: list[float]) -> tuple[float, list[str], float]:
+    """(RSS with `n` instances, heavy modules mapped, start-up with their records)."""
+    h.start()
+    time.sleep(1.0)
+    proc = psutil.Process(h.pid)
+    idle_runs.append(proc.memory_info().rss / MIB)
+    make_instances(h, n)
+    with h.client() as c:
+        for _ in range(20):
+            c.get("/instances")
+    time.sleep(1.0)
+    loaded = proc.memory_info().rss / MIB
+    maps = loaded_libraries(h.pid)
+    heavy = [m for m in HEAVY if re.search(rf"/{m}[/._-]", maps)]
+    h.stop()
+    # Restart on the same n-instance config: start-up with records to load.
+    return loaded, heavy, h.start()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--instances", type=int, default=100)
+    ap.add_argument("--quick", action="store_true", help="idle starts only (no 100 instances)")
+    add_tree_args(ap)
     args = ap.parse_args()
     starts: list[float] = []
     routed: list[float] = []
     idle_runs: list[float] = []
     with tempfile.TemporaryDirectory(prefix="idle-mem-") as tmp:
-        h = HostProc(Path(tmp), backend="real", env={"LOG_LEVEL": "warning"})
+        h = tree_host(Path(tmp), args, env={"LOG_LEVEL": "warning"})
+        loaded = with_records = 0.0
+        heavy: list[str] = []
         try:
             for _ in range(args.runs):
                 health, api = timed_start(h)
@@ -71,30 +96,18 @@ def main() -> int:
                 time.sleep(1.0)
                 idle_runs.append(psutil.Process(h.pid).memory_info().rss / MIB)
                 h.stop()
-            h.start()
-            time.sleep(1.0)
-            proc = psutil.Process(h.pid)
-            idle_runs.append(proc.memory_info().rss / MIB)
-            make_instances(h, args.instances)
-            with h.client() as c:
-                for _ in range(20):
-                    c.get("/instances")
-            time.sleep(1.0)
-            loaded = proc.memory_info().rss / MIB
-            maps = loaded_libraries(h.pid)
-            heavy = [m for m in HEAVY if re.search(rf"/{m}[/._-]", maps)]
-            h.stop()
-            # Restart on the same 100-instance config: start-up with records to load.
-            with_records = h.start()
+            if not args.quick:
+                loaded, heavy, with_records = with_instances(h, args.instances, idle_runs)
         finally:
             h.reap()
+    print(f"host: {h.root}")
     print(
         f"start-up to first /health 200: median {statistics.median(starts):.3f} s "
         f"(runs: {', '.join(f'{s:.2f}' for s in starts)}); with {args.instances} instances "
         f"{with_records:.3f} s   [old 1.5 s, target <= 0.8 s]"
     )
     print(
-        f"start-up to the first routed answer (GET /resources): median "
+        f"start-up to the first routed answer (GET {routed_path(h)}): median "
         f"{statistics.median(routed):.3f} s (runs: {', '.join(f'{s:.2f}' for s in routed)})"
     )
     print(
@@ -106,6 +119,14 @@ def main() -> int:
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"heavy native modules mapped in the host: {heavy or 'none'}")
     assert "torch" not in heavy, "the host process loaded torch"
+    print_result(
+        args,
+        {
+            "health_s": statistics.median(starts),
+            "routed_s": statistics.median(routed),
+            "rss_mib": statistics.median(idle_runs),
+        },
+    )
     return 0
 
 

@@ -4,6 +4,8 @@ same llama-server command directly and polling /health.
 Prints both medians and their ratio (target: host / direct <= 1.05).
 
     .venv/bin/python bench/time_to_ready.py [--runs 10]
+
+`--root DIR` runs another tree's host (bench/hosts.py; bench/compare_revisions.py pairs two).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.hosts import add_tree_args, print_result, tree_host  # noqa: E402
 from solar_host.backends.base import LaunchContext  # noqa: E402
 from solar_host.backends.llamacpp import BACKEND  # noqa: E402
 from solar_host.backends.llamacpp_config import LlamaCppConfig  # noqa: E402
 from tests.fixtures.gguf import llama_server_binary, write_tiny_gguf  # noqa: E402
 from tests.fixtures.host import free_port  # noqa: E402
-from tests.fixtures.hostproc import HostProc  # noqa: E402
 
 KEY = "bench-key-0123456789abcdef"
 
@@ -66,11 +68,11 @@ def direct_once(binary: str, model: Path, tmp: Path) -> float:
             proc.wait(10)
 
 
-def host_runs(binary: str, model: Path, tmp: Path, runs: int) -> list[float]:
+def host_runs(
+    binary: str, model: Path, tmp: Path, runs: int, args: argparse.Namespace
+) -> list[float]:
     times = []
-    with HostProc(
-        tmp / "host", backend="real", env={"LLAMA_SERVER_BIN": binary}, api_key=KEY
-    ) as host:
+    with tree_host(tmp / "host", args, env={"LLAMA_SERVER_BIN": binary}, api_key=KEY) as host:
         host.start()
         with host.client() as c:
             r = c.post(
@@ -99,6 +101,7 @@ def host_runs(binary: str, model: Path, tmp: Path, runs: int) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=10)
+    add_tree_args(ap)
     args = ap.parse_args()
     binary = llama_server_binary()
     with tempfile.TemporaryDirectory(prefix="ttr-") as d:
@@ -108,7 +111,7 @@ def main() -> int:
         model = write_tiny_gguf(tmp / "host" / "models" / "tiny.gguf")
         direct_once(binary, model, tmp)  # warm the page cache
         direct = [direct_once(binary, model, tmp) for _ in range(args.runs)]
-        host = host_runs(binary, model, tmp, args.runs)
+        host = host_runs(binary, model, tmp, args.runs, args)
     d_med, h_med = statistics.median(direct), statistics.median(host)
     print(f"llama-server binary: {binary}")
     print(f"{'':24}{'median':>10}{'min':>10}{'max':>10}")
@@ -121,6 +124,10 @@ def main() -> int:
         f"{max(host) * 1000:>9.1f}ms"
     )
     print(f"ratio host/direct: {h_med / d_med:.3f}   (target <= 1.05)")
+    print_result(
+        args,
+        {"direct_ms": d_med * 1000, "host_ms": h_med * 1000, "over_ms": (h_med - d_med) * 1000},
+    )
     return 0
 
 
