@@ -2,10 +2,14 @@
 
 * docs/configuration.md is exactly what `solar_host.cli.docs_gen` produces, and every setting and
   config field in it has a description;
-* the README's ```bash blocks marked `# example: <title> [expect <codes>]` run, in order and in
-  one shell as an operator would paste them, against a live host (scripted backend, so starting
-  works without llama-server); each exits 0 and its curl calls get exactly the claimed statuses;
-* every bench script is in the README's performance table and every script it names exists.
+* the ```bash blocks marked `# example: <title> [expect <codes>]` in README.md and docs/*.md run,
+  file by file (README first, then docs/ by name) and in order, in one shell as an operator
+  would paste them, against a live host (scripted backend, so starting works without
+  llama-server); each exits 0 and its curl calls get exactly the claimed statuses;
+* every bench script is in the performance table of docs/performance.md and every script it
+  names exists;
+* the README stays short (the rest is in docs/), and every relative link of README.md and
+  docs/*.md leads to a file that exists and, with `#anchor`, to a heading in it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from tests.fixtures.script_backend import ScriptBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+README_MAX_LINES = 250
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 MARKER = re.compile(r"^# example: (?P<title>.+?) \[expect(?P<codes>(?: \d{3})*)\]\s*$")
 
@@ -37,6 +43,15 @@ class Example:
     title: str
     codes: list[int]
     body: str
+
+
+def doc_files() -> list[Path]:
+    """README.md, then docs/*.md by name: the order their examples run in."""
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_examples() -> list[Example]:
+    return [ex for path in doc_files() for ex in readme_examples(path.read_text(encoding="utf-8"))]
 
 
 def readme_examples(text: str) -> list[Example]:
@@ -76,18 +91,63 @@ def test_docs_gen_check_mode(tmp_path: Path) -> None:
     assert out.read_text(encoding="utf-8") == docs_gen.render()
 
 
-def test_readme_links_the_reference_and_names_only_existing_benches() -> None:
-    text = README.read_text(encoding="utf-8")
-    assert "(docs/configuration.md)" in text
+def test_readme_links_the_reference_and_performance_names_only_existing_benches() -> None:
+    assert "(docs/configuration.md)" in README.read_text(encoding="utf-8")
+    text = PERFORMANCE.read_text(encoding="utf-8")
     named = set(re.findall(r"bench/(\w+\.py)", text))
     present = {p.name for p in (ROOT / "bench").glob("*.py")}
-    assert named <= present, f"README names missing bench scripts: {sorted(named - present)}"
-    assert present <= named, f"bench scripts missing from README: {sorted(present - named)}"
+    assert named <= present, (
+        f"docs/performance.md names missing bench scripts: {sorted(named - present)}"
+    )
+    assert present <= named, (
+        f"bench scripts missing from the table of docs/performance.md: {sorted(present - named)}"
+    )
 
 
-def test_readme_python_snippets_compile() -> None:
-    text = README.read_text(encoding="utf-8")
-    snippets = [body for lang, body in FENCE.findall(text) if lang == "python"]
+def test_readme_is_short() -> None:
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): put details in docs/"
+    )
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's ids of a Markdown file's headings, and explicit `<a id=...>` anchors."""
+    out: set[str] = set(re.findall(r'<a id="([^"]+)"', text))
+    seen: dict[str, int] = {}
+    body = FENCE.sub("", text)
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", body, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_relative_links_lead_to_files_and_headings() -> None:
+    broken = []
+    for path in doc_files():
+        text = path.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", text)):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto: not checked here
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                if anchor not in _anchors(dest.read_text(encoding="utf-8")):
+                    broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_python_snippets_compile() -> None:
+    snippets = [
+        body
+        for path in doc_files()
+        for lang, body in FENCE.findall(path.read_text(encoding="utf-8"))
+        if lang == "python"
+    ]
     assert snippets
     for body in snippets:
         ast.parse(body)
@@ -121,12 +181,12 @@ def _codes_by_block(stderr: str) -> tuple[dict[int, list[int]], set[int]]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
-async def test_readme_examples_run_against_a_live_host(
+async def test_doc_examples_run_against_a_live_host(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for tool in ("bash", "curl", "jq"):
         assert shutil.which(tool), f"{tool} is needed (.ci/apt-packages.txt)"
-    examples = readme_examples(README.read_text(encoding="utf-8"))
+    examples = doc_examples()
     assert len(examples) >= 8
     model = tmp_path / "models" / "tiny.gguf"
     model.parent.mkdir(parents=True)
@@ -160,7 +220,7 @@ async def test_readme_examples_run_against_a_live_host(
     for i, ex in enumerate(examples):
         assert i in done, f"example '{ex.title}' did not finish{report}"
         assert codes.get(i) == ex.codes, (
-            f"example '{ex.title}': got {codes.get(i)}, README claims {ex.codes}{report}"
+            f"example '{ex.title}': got {codes.get(i)}, the docs claim {ex.codes}{report}"
         )
     assert proc.returncode == 0, report
     # The examples clean up after themselves: what they created they deleted.

@@ -1,6 +1,6 @@
 """The README's five-minute path, run as written on a fresh virtualenv with no llama-server on
-PATH: install, doctor, start the host, pull a GGUF from the Hub (a loopback stand-in), create it
-by name, start it, chat, stop.
+PATH: install, doctor, start the host, start a GGUF file placed under MODELS_DIR (no Hub), pull
+a GGUF from the Hub (a loopback stand-in), create it by name, start it, chat, stop.
 
 The default variant installs this checkout into the new virtualenv without its dependencies and
 lets that virtualenv see the dependencies already installed for the tests (a .pth file), so it
@@ -52,7 +52,14 @@ def five_minute_blocks() -> list[tuple[str, str]]:
 
 def test_readme_has_the_five_minute_path() -> None:
     titles = [t for t, _ in five_minute_blocks()]
-    assert titles == ["install", "start the host", "pull a model and start it", "chat", "stop"]
+    assert titles == [
+        "install",
+        "start the host",
+        "a GGUF file you have",
+        "or pull one from the Hub",
+        "chat",
+        "stop",
+    ]
     assert INSTALL_LINE in five_minute_blocks()[0][1]
 
 
@@ -100,9 +107,15 @@ def _reap(tag: str) -> None:
             continue
 
 
+# Blocks that start an instance: each must leave the port of a started backend in $BACKEND.
+STARTS = ("a GGUF file you have", "or pull one from the Hub")
+
+
 def _run_path(tmp_path: Path, hub: FakeHub, install: str) -> subprocess.CompletedProcess[str]:
     work = tmp_path / "work"
     work.mkdir()
+    gguf = tmp_path / "downloads" / "tiny-chat.gguf"  # "a GGUF file you have", outside models/
+    write_tiny_gguf(gguf)
     bin_dir = tmp_path / "bin"  # the machine's python3 and nothing else of ours
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys._base_executable)  # type: ignore[attr-defined]
@@ -117,6 +130,7 @@ def _run_path(tmp_path: Path, hub: FakeHub, install: str) -> subprocess.Complete
         script += [
             f"echo '@@BLOCK {i} {title}'; date +%s.%N >&2",
             body.rstrip("\n"),
+            *([f'echo "@@STARTED {i} port=$BACKEND"'] if title in STARTS else []),
             f"echo '@@DONE {i}'; date +%s.%N >&2",
         ]
     tag = uuid.uuid4().hex
@@ -127,6 +141,7 @@ def _run_path(tmp_path: Path, hub: FakeHub, install: str) -> subprocess.Complete
         "PORT": str(free_port()),
         "START_PORT": str(21000 + (abs(hash(str(tmp_path))) % 20000)),
         "HF_ENDPOINT": hub.url,
+        "GGUF": str(gguf),
         TAG_VAR: tag,
     }
     for var in ("PIP_FIND_LINKS", "PIP_CERT", "PIP_DEFAULT_TIMEOUT", "PIP_INDEX_URL"):
@@ -153,8 +168,13 @@ def _check(result: subprocess.CompletedProcess[str], work: Path) -> None:
     )
     assert result.returncode == 0, report
     out = result.stdout
-    for i in range(len(five_minute_blocks())):
+    blocks = five_minute_blocks()
+    for i in range(len(blocks)):
         assert f"@@DONE {i}" in out, report
+    # both routes to a model started a backend on a port of its own
+    ports = {i: re.search(rf"^@@STARTED {i} port=(\d+)$", out, re.M) for i in range(len(blocks))}
+    started = [m.group(1) for (i, m) in ports.items() if blocks[i][0] in STARTS and m]
+    assert len(started) == len(STARTS) and len(set(started)) == len(STARTS), report
     # the installed package ran, not this checkout
     site_dirs = list((work / ".venv" / "lib").glob("python3*/site-packages/solar_host"))
     assert site_dirs, report
@@ -162,9 +182,11 @@ def _check(result: subprocess.CompletedProcess[str], work: Path) -> None:
     assert '"available":true' in out and "xllamacpp" in out, report
     assert "Checks:" in out, report
     # the chat answered with text, the stop with "stopped"
-    chat = out.split("@@BLOCK 3 chat", 1)[1].split("@@DONE 3", 1)[0].strip()
+    chat_i = [t for t, _ in blocks].index("chat")
+    chat = out.split(f"@@BLOCK {chat_i} chat", 1)[1].split(f"@@DONE {chat_i}", 1)[0].strip()
     assert chat and chat != "null", report
-    assert "stopped" in out.split("@@BLOCK 4 stop", 1)[1], report
+    stop_i = [t for t, _ in blocks].index("stop")
+    assert "stopped" in out.split(f"@@BLOCK {stop_i} stop", 1)[1], report
 
 
 def test_five_minute_path_on_a_fresh_virtualenv(tmp_path: Path, hub: FakeHub) -> None:
