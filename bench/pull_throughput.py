@@ -11,7 +11,7 @@ both sides alike):
 Two ratios come out, both against curl on the same bytes:
 
 - download+verify: the store until the blob's digest is checked (the moment it calls
-  `oci.make_durable`), vs. plain `curl -o`, which writes the file and stops there;
+  `streaming.make_durable`), vs. plain `curl -o`, which writes the file and stops there;
 - durable (the target): the whole pull, which returns only once the model survives a crash
   (fsync before the rename, manifest fsynced), vs. `curl -o` plus an fsync of its file. This is
   the like-for-like figure: both end with the same bytes safely on disk, and a pull that skipped
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solar_host.model_store import oci
+from solar_host.model_store import streaming
 from solar_host.model_store.service import ModelStore
 from solar_host.settings import Settings
 from tests.fixtures.registry import Registry, sha256_file
@@ -79,13 +79,13 @@ async def store_once(reg: Registry, models: Path) -> tuple[float, float]:
     store = ModelStore(settings)
     await store.start()
     verified: list[float] = []
-    durable = oci.make_durable
+    durable = streaming.make_durable
 
     def timed_durable(fd: int) -> None:
         verified.append(time.perf_counter())
         durable(fd)
 
-    oci.make_durable = timed_durable
+    streaming.make_durable = timed_durable
     try:
         t = time.perf_counter()
         result = await store.pull(
@@ -93,7 +93,7 @@ async def store_once(reg: Registry, models: Path) -> tuple[float, float]:
         )
         dt = time.perf_counter() - t
     finally:
-        oci.make_durable = durable
+        streaming.make_durable = durable
     assert not result["cached"], result
     return verified[0] - t, dt
 

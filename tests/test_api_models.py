@@ -182,3 +182,54 @@ async def test_openapi_documents_the_pull_body(host):
     props = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
     assert {"source", "source_uri", "harbor_ref", "model_id", "file_filters"} <= set(props)
     assert Path(h.models.models_dir).is_dir()
+
+
+async def test_model_files_no_pull_recorded_are_listed_as_local(host, tmp_path):
+    """A GGUF copied into MODELS_DIR (or a MODEL_ROOTS directory) by hand was invisible to
+    GET /models; it is listed with source "local", beside what pulls recorded, and a failed
+    pull leaves no empty .partial directory behind."""
+    h, c = host
+    models = h.models.models_dir
+    (models / "mine").mkdir()
+    (models / "mine" / "hand.gguf").write_bytes(b"GGUF" + bytes(96))
+    other = tmp_path / "elsewhere"
+    (other / "hf-style").mkdir(parents=True)
+    (other / "hf-style" / "config.json").write_text("{}")
+    (other / "hf-style" / "model.safetensors").write_bytes(bytes(64))
+    h.models.settings = h.models.settings.model_copy(update={"model_roots": str(other)})
+    assert (await c.post("/models/pull", json=hf(), headers=H)).status_code == 200
+
+    listed = (await c.get("/models", headers=H)).json()
+    assert [(m["source"], m["name"]) for m in listed] == [
+        ("pulled", "hf--acme--tiny"),
+        ("local", "hf-style"),
+        ("local", "mine/hand.gguf"),
+    ]
+    hand = listed[2]
+    assert hand["path"] == str(models / "mine" / "hand.gguf") and hand["size_bytes"] == 100
+    assert hand["source_uri"] is None and hand["files"] == [
+        {"name": "hand.gguf", "size_bytes": 100}
+    ]
+    assert listed[1]["size_bytes"] == 66
+    # A local file is not the store's to delete.
+    assert (await c.delete("/models/mine", headers=H)).status_code == 404
+    assert (models / "mine" / "hand.gguf").exists()
+
+    r = await c.post("/models/pull", json=hf("acme/missing"), headers=H)
+    assert r.status_code == 404
+    assert not (models / ".partial").exists()
+
+
+async def test_the_cli_lists_local_models(host, capsys):
+    from types import SimpleNamespace
+
+    from solar_host.cli.models import cmd_models
+
+    h, c = host
+    (h.models.models_dir / "hand.gguf").write_bytes(b"GGUF" + bytes(96))
+    listed = (await c.get("/models", headers=H)).json()
+    client = SimpleNamespace(models=lambda: listed)
+    assert cmd_models(client, SimpleNamespace(json=False)) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["SLUG", "SIZE", "SOURCE", "PATH"]
+    assert row.split() == ["hand.gguf", "100", "B", "local", str(h.models.models_dir / "hand.gguf")]

@@ -20,7 +20,7 @@ import pytest
 
 from solar_host.instances import confinement
 from solar_host.instances.logs import InotifyHub
-from solar_host.model_store import oci
+from solar_host.model_store import streaming
 from solar_host.platform.libc import libc
 from solar_host.platform.log_limits import rotate_appended
 
@@ -85,6 +85,6 @@ def test_the_other_libc_calls_start_no_process(tmp_path: Path, spawns: list[obje
     assert rotation.removed > 0
     with open(tmp_path / "blob", "wb") as f:
         f.write(b"z" * 8192)
-        oci._start_writeback(f.fileno(), 0, 8192)
+        streaming.start_writeback(f.fileno(), 0, 8192)
     assert spawns == []
     assert libc().getpid() == os.getpid()

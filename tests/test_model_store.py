@@ -373,27 +373,27 @@ async def test_oci_stream_ring_writeback_and_fsync_before_rename(tmp_path, reg, 
     """A blob several times the buffer ring, of an odd size, arrives whole; it is fsynced as
     `.part`, complete, before the rename; writeback is started along the way; every placed file
     is fsynced before the model directory is renamed into place."""
-    from solar_host.model_store import oci, pull
+    from solar_host.model_store import pull, streaming
 
-    monkeypatch.setattr(oci, "BUF_SIZE", 64 * 1024)
-    monkeypatch.setattr(oci, "BUFFERS", 2)
-    monkeypatch.setattr(oci, "WRITEBACK_EVERY", 128 * 1024)
+    monkeypatch.setattr(streaming, "BUF_SIZE", 64 * 1024)
+    monkeypatch.setattr(streaming, "BUFFERS", 2)
+    monkeypatch.setattr(streaming, "WRITEBACK_EVERY", 128 * 1024)
     writebacks: list[tuple[int, int]] = []
-    start_writeback = oci._start_writeback
+    start_writeback = streaming.start_writeback
 
     def record_writeback(fd, offset, length):
         writebacks.append((offset, length))
         start_writeback(fd, offset, length)
 
-    monkeypatch.setattr(oci, "_start_writeback", record_writeback)
+    monkeypatch.setattr(streaming, "start_writeback", record_writeback)
     durable: list[tuple[str, int]] = []
-    make_durable = oci.make_durable
+    make_durable = streaming.make_durable
 
     def record_durable(fd):
         durable.append((os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
         make_durable(fd)
 
-    monkeypatch.setattr(oci, "make_durable", record_durable)
+    monkeypatch.setattr(streaming, "make_durable", record_durable)
     synced: list[str] = []
     fsync_path = pull._fsync_path
 
@@ -403,14 +403,14 @@ async def test_oci_stream_ring_writeback_and_fsync_before_rename(tmp_path, reg, 
 
     monkeypatch.setattr(pull, "_fsync_path", record_sync)
     readers: list[str] = []
-    body_reader = oci._body_reader
+    body_reader = streaming.body_reader
 
     def record_reader(resp, length):
         reader = body_reader(resp, length)
         readers.append(reader.__name__)
         return reader
 
-    monkeypatch.setattr(oci, "_body_reader", record_reader)
+    monkeypatch.setattr(streaming, "body_reader", record_reader)
 
     art = tmp_path / "art"
     art.mkdir()
@@ -470,7 +470,7 @@ def test_oci_stream_chunked_body_and_early_close(tmp_path, send):
     byte received on disk and is a retryable 502, not an integrity failure."""
     import requests
 
-    from solar_host.model_store import oci
+    from solar_host.model_store import streaming
     from solar_host.model_store.progress import ByteCounter
 
     body = os.urandom(300_003)
@@ -484,12 +484,16 @@ def test_oci_stream_chunked_body_and_early_close(tmp_path, send):
         hasher, counter = hashlib.sha256(), ByteCounter()
         try:
             if send is None:
-                n = oci._stream(resp, fd, 0, len(body), hasher, counter, oci.CancelToken())
+                n = streaming.stream_body(
+                    resp, fd, 0, len(body), hasher, counter, streaming.CancelToken()
+                )
                 assert n == counter.done == len(body)
                 assert hasher.digest() == hashlib.sha256(body).digest()
             else:
                 with pytest.raises(PullError) as err:
-                    oci._stream(resp, fd, 0, len(body), hasher, counter, oci.CancelToken())
+                    streaming.stream_body(
+                        resp, fd, 0, len(body), hasher, counter, streaming.CancelToken()
+                    )
                 assert err.value.status_code == 502
                 assert "Download interrupted" in err.value.detail
         finally:
@@ -506,12 +510,12 @@ async def test_oci_write_failure_mid_stream_is_507_without_hanging(tmp_path, reg
     receiving, hashing and writing threads and reports 507 once."""
     import errno
 
-    from solar_host.model_store import oci
+    from solar_host.model_store import streaming
 
-    monkeypatch.setattr(oci, "BUF_SIZE", 64 * 1024)
-    monkeypatch.setattr(oci, "BUFFERS", 2)
+    monkeypatch.setattr(streaming, "BUF_SIZE", 64 * 1024)
+    monkeypatch.setattr(streaming, "BUFFERS", 2)
     calls = []
-    write_all = oci._write_all
+    write_all = streaming.write_all
 
     def failing_write(fd, view):
         calls.append(len(view))
@@ -519,7 +523,7 @@ async def test_oci_write_failure_mid_stream_is_507_without_hanging(tmp_path, reg
             raise OSError(errno.ENOSPC, "No space left on device")
         write_all(fd, view)
 
-    monkeypatch.setattr(oci, "_write_all", failing_write)
+    monkeypatch.setattr(streaming, "write_all", failing_write)
     art = tmp_path / "art"
     art.mkdir()
     (art / "w.gguf").write_bytes(os.urandom(2_000_000))

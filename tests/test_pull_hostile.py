@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from solar_host.model_store import huggingface, oci
+from solar_host.model_store import download, huggingface, layers, oci
 from solar_host.model_store.huggingface import bytes_on_disk
 from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
@@ -286,7 +286,7 @@ async def test_enospc_while_placing_files_is_507(tmp_path, hreg, monkeypatch):
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(oci, "assemble", full)
+    monkeypatch.setattr(download, "assemble", full)
     store = store_for(tmp_path, hreg.url)
     await store.start()
     events: list[dict] = []
@@ -338,13 +338,13 @@ DIGEST0 = "sha256:" + "0" * 64
         pytest.param(b"[1, 2]", id="not-an-object"),
         pytest.param(
             json.dumps(
-                {"layers": [{"digest": DIGEST0, "size": "big", "annotations": {oci.TITLE: "x"}}]}
+                {"layers": [{"digest": DIGEST0, "size": "big", "annotations": {layers.TITLE: "x"}}]}
             ).encode(),
             id="size-not-a-number",
         ),
         pytest.param(
             json.dumps(
-                {"layers": [{"digest": DIGEST0, "size": -5, "annotations": {oci.TITLE: "x"}}]}
+                {"layers": [{"digest": DIGEST0, "size": -5, "annotations": {layers.TITLE: "x"}}]}
             ).encode(),
             id="negative-size",
         ),

@@ -108,8 +108,14 @@ def cmd_models(c: Any, args: argparse.Namespace) -> int:
     if not models:
         print("no models")
         return EXIT_OK
+    # A file found in the model roots has no slug: its name is the path a config gives.
     rows = [
-        (m.get("slug"), human_bytes(m.get("size_bytes")), m.get("source_uri"), m.get("path"))
+        (
+            m.get("slug") or m.get("name"),
+            human_bytes(m.get("size_bytes")),
+            m.get("source_uri") or m.get("source"),
+            m.get("path"),
+        )
         for m in models
     ]
     print(table(rows, ("SLUG", "SIZE", "SOURCE", "PATH")))

@@ -1,74 +1,43 @@
-"""The model store service: pulls into MODELS_DIR, lists and deletes what is there.
+"""The model store service: pulls into MODELS_DIR, lists, verifies and deletes what is there.
 
 A pull is one asyncio task per base source URI: callers of the same artifact share it and each
-gets its own progress stream and terminal event. Downloads run in worker threads into
-`MODELS_DIR/.partial/<slug>` and are renamed into `MODELS_DIR/<slug>` only once complete and
-verified; a cancelled or interrupted pull leaves the partial directory for the next one to
-resume. A monitor on the event loop emits throttled `downloading` events and aborts the pull
-(507, partial removed) when free disk space falls under MIN_FREE_DISK_GB.
+gets its own progress stream and terminal event; `download.py` runs that task (fetch into
+`.partial/<slug>`, check, place). Deletes and a pull's check of the copy on disk take turns
+per model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import fnmatch
 import logging
-import os
-import re
-import shutil
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from solar_host.events import EventBus, PullProgress
-from solar_host.model_store import huggingface, oci
-from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
-from solar_host.model_store.progress import ByteCounter, ProgressCallback, PullReporter
+from solar_host.model_store import oci
+from solar_host.model_store.catalog import SLUG_RE, StoreError, local_models, recorded
+from solar_host.model_store.deletion import InUse, delete_model
+from solar_host.model_store.download import Download, PullJob
+from solar_host.model_store.manifest import Manifest, ManifestEntry
+from solar_host.model_store.placement import PARTIAL, recover_replaced, replaced_path
+from solar_host.model_store.progress import ProgressCallback, PullReporter
 from solar_host.model_store.pull import (
     PullError,
     PullRequest,
     check_request,
     filters_satisfied,
-    inventory,
     largest_gguf,
     split_ref,
-    sync_tree,
 )
 from solar_host.model_store.sources import SourceError, confine, repo_base_uri, slug_for
-from solar_host.resources.probes import GB, disk_usage
+from solar_host.resources.probes import disk_usage
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# (instance_id, backend_type, absolute model paths, file_filters) of every instance that is
-# starting, running or stopping.
-InUse = Callable[[], list[tuple[str, str, list[str], list[str] | None]]]
-SLUG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
-PARTIAL = ".partial"
-
-
-class StoreError(Exception):
-    """A list/delete request that cannot be served; `status_code` is the HTTP status."""
-
-    def __init__(self, status_code: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status_code = status_code
-        self.detail = detail
-
-
-@dataclass
-class _Job:
-    """One download of one base URI, shared by every caller that wants the same thing."""
-
-    key: tuple[str, tuple[str, ...] | None]
-    reporters: list[PullReporter] = field(default_factory=list)
-    task: asyncio.Task[ManifestEntry] | None = None
-    cancel: oci.CancelToken = field(default_factory=oci.CancelToken)
-    bytes_total: int | None = None
+__all__ = ["InUse", "ModelStore", "StoreError"]
 
 
 class ModelStore:
@@ -79,7 +48,7 @@ class ModelStore:
         self.bus = bus or EventBus()
         self.probe = probe
         self.in_use: InUse | None = None
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, PullJob] = {}
         # slug -> [lock, holders and waiters]: a delete and a pull's "is the copy on disk
         # usable" check of one model take turns (see _model_turn).
         self._turns: dict[str, list[Any]] = {}
@@ -94,12 +63,12 @@ class ModelStore:
     def manifest(self) -> Manifest:
         return Manifest(self.models_dir)
 
-    def _partial(self, slug: str) -> Path:
-        return self.models_dir / PARTIAL / slug
+    def _download(self) -> Download:
+        return Download(self.settings, self.manifest, self._free_bytes)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.manifest.ensure)
-        await asyncio.to_thread(self._recover_replaced)
+        await asyncio.to_thread(recover_replaced, self.models_dir, self.manifest)
 
     async def stop(self) -> None:
         jobs = list(self._jobs.values())
@@ -128,27 +97,14 @@ class ModelStore:
     # --- listing -----------------------------------------------------------------------------
 
     def list_models(self) -> list[dict[str, Any]]:
-        out = []
-        for e in self.manifest.entries():
-            files = inventory(Path(e.path))
-            out.append(
-                {
-                    "name": e.slug,
-                    "slug": e.slug,
-                    "path": e.path,
-                    "size_bytes": e.size_bytes,
-                    "source_uri": e.source_uri,
-                    "checksum": e.checksum or e.digest,
-                    "downloaded_at": e.downloaded_at,
-                    "category": e.category,
-                    "model_name": e.name,
-                    "version": e.version,
-                    "metadata": e.metadata,
-                    "file_filters": e.file_filters,
-                    "files": [{"name": n, "size_bytes": s} for n, s in files],
-                }
-            )
-        return out
+        """Recorded models, then model files found in the model roots that no pull recorded."""
+        entries = self.manifest.entries()
+        out = [recorded(e) for e in entries]
+        dirs = set()
+        for e in entries:
+            with contextlib.suppress(OSError, RuntimeError):
+                dirs.add(Path(e.path).resolve())
+        return out + local_models(self.settings.model_root_dirs, dirs)
 
     # --- pull --------------------------------------------------------------------------------
 
@@ -232,9 +188,9 @@ class ModelStore:
                 # Checked again with no await before the job is registered: another source of
                 # this slug may have started while _usable_entry ran in its thread.
                 self._refuse_shared_slug(base, slug)
-                job = _Job(key=key)
+                job = PullJob(key=key)
                 self._jobs[base] = job
-                job.task = asyncio.create_task(self._download(job, req, slug))
+                job.task = asyncio.create_task(self._download().run(job, req, slug))
                 job.task.add_done_callback(lambda _t, b=base, j=job: self._forget(b, j))
             job.reporters.append(rep)
             task = job.task
@@ -262,7 +218,7 @@ class ModelStore:
                 f"delete {slug} first",
             )
 
-    def _forget(self, base: str, job: _Job) -> None:
+    def _forget(self, base: str, job: PullJob) -> None:
         if self._jobs.get(base) is job:
             del self._jobs[base]
 
@@ -329,313 +285,8 @@ class ModelStore:
             return None
         return entry
 
-    # --- the shared download -----------------------------------------------------------------
-
-    async def _download(self, job: _Job, req: PullRequest, slug: str) -> ManifestEntry:
-        partial = self._partial(slug)
-        target = self.models_dir / slug
-        old = self.manifest.get(req.base_uri)
-        floor = int(self.settings.min_free_disk_gb * GB)
-        # Adding files to a snapshot on disk: the download reuses its files (also when an
-        # earlier top-up was interrupted and left its partial directory).
-        topup = (
-            req.source == "huggingface"
-            and old is not None
-            and Path(old.path) == target
-            and target.is_dir()
-        )
-        filters = req.filters
-        if topup and old is not None:
-            filters = (
-                None
-                if filters is None or old.file_filters is None
-                else sorted(set(old.file_filters) | set(filters))
-            )
-        counter = ByteCounter()
-        layers: list[oci.Layer] = []
-        registry: oci.Registry | None = None
-        repo = ""
-        manifest_digest = None
-
-        if req.source == "harbor":
-            s = self.settings
-            registry = oci.Registry(s.harbor_url, s.harbor_username, s.harbor_password)
-            _, repo, tag, digest = split_ref(req.harbor_ref or "", registry.host)
-            layers, manifest_digest = await asyncio.to_thread(
-                registry.manifest, repo, digest or tag or "latest"
-            )
-            if req.digest and manifest_digest and req.digest != manifest_digest:
-                log.warning(
-                    "pull of %s: the request's digest %s is not the manifest's (%s); the "
-                    "manifest's is recorded",
-                    req.source_uri,
-                    req.digest,
-                    manifest_digest,
-                )
-            job.bytes_total = sum(x.size for x in layers)
-        elif req.size_bytes:
-            job.bytes_total = req.size_bytes
-        for r in job.reporters:
-            if job.bytes_total is not None:
-                r.bytes_total = job.bytes_total
-
-        # Disk: what is still to fetch plus the floor must fit now.
-        need = job.bytes_total
-        if need is not None and req.source == "harbor":
-            need -= _bytes_present(partial / "blobs", layers)
-        free = await asyncio.to_thread(self._free_bytes)
-        if free is not None and free < (need or 0) + floor:
-            raise PullError(
-                507,
-                "insufficient_storage",
-                f"Insufficient disk space. Available: {free / GB:.2f} GB, required: "
-                f"{((need or 0) + floor) / GB:.2f} GB (including MIN_FREE_DISK_GB "
-                f"{self.settings.min_free_disk_gb:.2f}).",
-            )
-
-        if topup:
-            assert old is not None
-            # The model stays where it is, recorded and usable, while the download runs: its
-            # files are linked into the partial directory (no disk, no copy), and only the
-            # finished snapshot replaces it. A failed or killed top-up leaves it as it was.
-            await asyncio.to_thread(_link_snapshot, target, partial, old)
-
-        def fetch() -> None:
-            if registry is not None:
-                blobs = partial / "blobs"
-                for layer in layers:
-                    if job.cancel.is_set():
-                        raise oci.Cancelled()
-                    registry.fetch_blob(repo, layer, blobs, counter, job.cancel)
-            else:
-                endpoint = self.settings.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
-                huggingface.download(
-                    (req.model_id or "").strip().strip("/"),
-                    partial,
-                    token=self.settings.hf_token or None,
-                    endpoint=endpoint,
-                    allow_patterns=filters,
-                    cancel=job.cancel.event,
-                )
-
-        try:
-            measure = None if registry is not None else partial
-            await self._run_monitored(job, fetch, counter, floor, partial, measure)
-            for r in job.reporters:
-                r.phase("verifying")  # blobs were hashed while streaming; now place the files
-                r.phase("finalizing")
-            try:
-                entry = await asyncio.to_thread(
-                    self._finalize,
-                    job,
-                    req,
-                    slug,
-                    partial,
-                    target,
-                    layers,
-                    filters,
-                    manifest_digest,
-                    floor,
-                )
-            except OSError as err:
-                if err.errno == errno.ENOSPC:
-                    raise PullError(
-                        507, "insufficient_storage", "Insufficient disk space."
-                    ) from err
-                raise
-            return entry
-        except PullError as err:
-            if err.status_code in (401, 404, 507):
-                # Nothing worth resuming: free the disk. A top-up's partial directory holds
-                # only links to the model, which stays as it was.
-                await asyncio.to_thread(shutil.rmtree, partial, True)
-            raise
-
-    async def _run_monitored(
-        self,
-        job: _Job,
-        fetch: Callable[[], None],
-        counter: ByteCounter,
-        floor: int,
-        partial: Path,
-        measure: Path | None = None,
-    ) -> None:
-        """Run `fetch` in a thread; report progress; abort on low disk or cancellation.
-
-        Progress is what the fetch counted, or (`measure`) the bytes on disk under that dir.
-        """
-        await asyncio.to_thread(partial.mkdir, parents=True, exist_ok=True)
-        fut = asyncio.ensure_future(asyncio.to_thread(fetch))
-        poll = min(self.settings.pull_disk_poll_interval_s, self.settings.pull_progress_interval_s)
-        last_t, last_b = time.monotonic(), counter.done
-        first = True
-        low_disk = False
-        try:
-            while True:
-                done, _ = await asyncio.wait({fut}, timeout=0 if first else poll)
-                if measure is not None:
-                    counter.set(await asyncio.to_thread(huggingface.bytes_on_disk, measure))
-                now = time.monotonic()
-                speed = (counter.done - last_b) / (now - last_t) if now > last_t else None
-                if not first:
-                    last_t, last_b = now, counter.done
-                for r in job.reporters:
-                    r.downloading(counter.done, speed, force=first)
-                first = False
-                if done:
-                    break
-                free = await asyncio.to_thread(self._free_bytes)
-                if free is not None and free < floor:
-                    low_disk = True
-                    job.cancel.cancel()
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait_for(asyncio.shield(fut), 30)
-                    break
-            if low_disk:  # the caller clears what this pull fetched (see _download)
-                raise PullError(
-                    507, "insufficient_storage", "Insufficient disk space during download."
-                )
-            try:
-                fut.result()
-            except (oci.Cancelled, huggingface.PullCancelled):
-                raise asyncio.CancelledError() from None
-            except PullError:
-                raise
-            except OSError as err:
-                if err.errno == 28:
-                    raise PullError(
-                        507, "insufficient_storage", "Insufficient disk space."
-                    ) from err
-                raise PullError(500, "model_pull_failed", f"{err}") from err
-        except asyncio.CancelledError:
-            # Stop the thread before giving up, so a resumed pull never races a live writer.
-            job.cancel.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(fut), 30)
-            raise
-
-    def _finalize(
-        self,
-        job: _Job,
-        req: PullRequest,
-        slug: str,
-        partial: Path,
-        target: Path,
-        layers: list[oci.Layer],
-        filters: list[str] | None,
-        manifest_digest: str | None,
-        floor: int = 0,
-    ) -> ManifestEntry:
-        file_digests: dict[str, str] | None = None
-        if layers:
-            tree = partial / "tree"
-            if tree.exists():
-                shutil.rmtree(tree)
-
-            def room(n: int) -> None:
-                free = self._free_bytes()
-                if free is not None and free - n < floor:
-                    raise PullError(
-                        507,
-                        "insufficient_storage",
-                        "Insufficient disk space while unpacking the artifact.",
-                    )
-
-            oci.assemble(layers, partial / "blobs", tree, room)
-            file_digests = {x.title: x.digest for x in layers if not x.unpack}
-            src = tree
-        else:
-            src = partial
-        files = inventory(src)
-        sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
-        metadata = dict(req.metadata or {})
-        if req.source == "harbor":
-            metadata.setdefault("harbor_ref", req.harbor_ref)
-        entry = ManifestEntry(
-            slug=slug,
-            source_uri=req.base_uri,
-            path=str(target),
-            size_bytes=sum(s for _, s in files),
-            # A registry artifact's digest is the one computed from its manifest; a caller's
-            # digest only labels what has none (a HuggingFace snapshot).
-            digest=manifest_digest or req.digest,
-            downloaded_at=now_iso(),
-            category=req.category,
-            name=req.name,
-            version=req.version,
-            checksum=req.checksum,
-            metadata=metadata or None,
-            file_digests=file_digests,
-            file_sizes=dict(files),
-            file_filters=filters,
-        )
-        self._place(src, target, entry)
-        if src != partial:
-            shutil.rmtree(partial, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            (self.models_dir / PARTIAL).rmdir()
-        return entry
-
-    def _place(self, src: Path, target: Path, entry: ManifestEntry) -> None:
-        """Put the finished tree `src` at `target` and record it.
-
-        This source's older copy is renamed aside first and removed only once the new one is
-        recorded; if recording fails (a full disk), the swap is undone, so the manifest never
-        names a directory that is not the one it describes. A crash between the renames
-        leaves the older copy aside, where `start()` puts it back.
-        """
-        replaced = self._replaced(entry.slug)
-        if target.exists():
-            previous = self.manifest.get_slug(entry.slug)
-            if previous is not None and previous.source_uri == entry.source_uri:
-                shutil.rmtree(replaced, ignore_errors=True)
-                replaced.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(target, replaced)
-            else:
-                self._keep_aside(target, entry)
-        os.replace(src, target)
-        try:
-            self.manifest.upsert(entry)
-        except OSError:
-            os.replace(target, src)  # under .partial, where the caller's cleanup finds it
-            if replaced.exists():
-                os.replace(replaced, target)
-            raise
-        shutil.rmtree(replaced, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            replaced.parent.rmdir()
-
     def _replaced(self, slug: str) -> Path:
-        # Under a name no slug can take (slugs never start with "."): see _place.
-        return self.models_dir / PARTIAL / ".replaced" / slug
-
-    def _keep_aside(self, target: Path, entry: ManifestEntry) -> None:
-        """A directory this store did not record (someone's own files, or a pull killed between
-        placing its files and recording them): kept aside, never erased."""
-        aside = target.with_name(f"{entry.slug}.kept-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.replace(target, aside)
-        log.warning(
-            "%s held files this store did not record; moved to %s before the pull of %s took "
-            "its place",
-            target,
-            aside,
-            entry.source_uri,
-        )
-
-    def _recover_replaced(self) -> None:
-        """Put back an older copy a crash left aside between the renames of `_place`."""
-        aside_dir = self.models_dir / PARTIAL / ".replaced"
-        if not aside_dir.is_dir():
-            return
-        for aside in aside_dir.iterdir():
-            target = self.models_dir / aside.name
-            if target.exists() or self.manifest.get_slug(aside.name) is None:
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(aside, target)
-                log.warning("restored %s, left aside by a pull that was interrupted", target)
-        with contextlib.suppress(OSError):
-            aside_dir.rmdir()
+        return replaced_path(self.models_dir, slug)
 
     # --- delete ------------------------------------------------------------------------------
 
@@ -652,24 +303,6 @@ class ModelStore:
         if root == self.models_dir.resolve():
             raise StoreError(409, "model entry points at MODELS_DIR itself; refusing to delete it")
         return entry, root
-
-    def _users(self, root: Path) -> list[tuple[str, list[Path], list[str] | None]]:
-        """Active instances with a model path inside `root`: (id, those paths, filters)."""
-        if self.in_use is None:
-            return []
-        out = []
-        for instance_id, _bt, paths, filters in self.in_use():
-            inside = []
-            for p in paths:
-                try:
-                    rp = Path(p).resolve()
-                except (OSError, RuntimeError):
-                    continue
-                if rp == root or root in rp.parents:
-                    inside.append(rp)
-            if inside:
-                out.append((instance_id, inside, filters))
-        return out
 
     @contextlib.asynccontextmanager
     async def _model_turn(self, slug: str) -> AsyncIterator[None]:
@@ -696,96 +329,7 @@ class ModelStore:
 
     def _delete(self, slug: str, filters: list[str] | None) -> dict[str, Any]:
         entry, root = self._entry_for_slug(slug)
-        files = inventory(root)
-        if filters:
-            return self._delete_filtered(entry, root, files, filters)
-        users = self._users(root)
-        if users:
-            raise StoreError(
-                409, f"Model is in use by instance {users[0][0]}. Stop the instance first."
-            )
-        if root.is_dir():
-            shutil.rmtree(root)
-        elif root.exists():
-            root.unlink()
-        self.manifest.remove_slug(slug)
-        return {
-            "detail": "Model deleted",
-            "name": slug,
-            "removed": [n for n, _ in files],
-            "freed_bytes": sum(s for _, s in files),
-            "remaining": 0,
-        }
-
-    def _delete_filtered(
-        self, entry: ManifestEntry, root: Path, files: list[tuple[str, int]], patterns: list[str]
-    ) -> dict[str, Any]:
-        slug = entry.slug
-        if not files:
-            shutil.rmtree(root, ignore_errors=True)
-            self.manifest.remove_slug(slug)
-            return {
-                "detail": "Model deleted",
-                "name": slug,
-                "removed": [],
-                "freed_bytes": 0,
-                "remaining": 0,
-            }
-        matched = [(n, s) for n, s in files if any(fnmatch.fnmatch(n, p) for p in patterns)]
-        if not matched:
-            return {
-                "detail": "No files match the requested filters",
-                "name": slug,
-                "removed": [],
-                "freed_bytes": 0,
-                "remaining": len(files),
-            }
-        names = {n for n, _ in matched}
-        for instance_id, paths, inst_filters in self._users(root):
-            if _overlaps(root, names, paths, inst_filters):
-                raise StoreError(
-                    409,
-                    f"Model files are in use by instance {instance_id}. Stop the instance first.",
-                )
-        for n in sorted(names):
-            (root / n).unlink(missing_ok=True)
-        for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda t: -len(t[0])):
-            d = Path(dirpath)
-            if (
-                d != root
-                and d.name not in (".cache",)
-                and ".cache" not in d.relative_to(root).parts
-            ):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-        remaining = [(n, s) for n, s in files if n not in names]
-        freed = sum(s for _, s in matched)
-        removed = sorted(names)
-        if not remaining:
-            shutil.rmtree(root, ignore_errors=True)
-            self.manifest.remove_slug(slug)
-            return {
-                "detail": f"Deleted {len(removed)} file(s)",
-                "name": slug,
-                "removed": removed,
-                "freed_bytes": freed,
-                "remaining": 0,
-            }
-        entry.file_filters = sorted(n for n, _ in remaining)
-        entry.size_bytes = sum(s for _, s in remaining)
-        keep = {n for n, _ in remaining}
-        if entry.file_digests:
-            entry.file_digests = {k: v for k, v in entry.file_digests.items() if k in keep}
-        if entry.file_sizes:
-            entry.file_sizes = {k: v for k, v in entry.file_sizes.items() if k in keep}
-        self.manifest.upsert(entry)
-        return {
-            "detail": f"Deleted {len(removed)} file(s), {len(remaining)} remaining",
-            "name": slug,
-            "removed": removed,
-            "freed_bytes": freed,
-            "remaining": len(remaining),
-        }
+        return delete_model(self.manifest, entry, root, filters, self.in_use)
 
 
 async def _outcome(task: asyncio.Task[Any] | None) -> None:
@@ -803,81 +347,8 @@ async def _outcome(task: asyncio.Task[Any] | None) -> None:
         pass  # that pull's failure is its callers' to report: this one decides anew
 
 
-def _overlaps(root: Path, names: set[str], paths: list[Path], filters: list[str] | None) -> bool:
-    """Whether deleting `names` (relative to `root`) takes files an instance uses."""
-    for p in paths:
-        if p.is_dir() or p == root:
-            rel_dir = "" if p == root else p.relative_to(root).as_posix() + "/"
-            under = [n for n in names if n.startswith(rel_dir)]
-            if not under:
-                continue
-            if filters is None:
-                return True
-            if any(
-                fnmatch.fnmatch(n, f) or fnmatch.fnmatch(n[len(rel_dir) :], f)
-                for n in under
-                for f in filters
-            ):
-                return True
-        else:
-            if p.relative_to(root).as_posix() in names:
-                return True
-    return False
-
-
-def _bytes_present(blobs: Path, layers: list[oci.Layer]) -> int:
-    total = 0
-    for x in layers:
-        for name in (f"sha256-{x.hex}", f"sha256-{x.hex}.part"):
-            p = blobs / name
-            if p.is_file():
-                total += min(p.stat().st_size, x.size)
-    return total
-
-
 def slug_for_safe(uri: str) -> str | None:
     try:
         return slug_for(uri)
     except SourceError:
         return None
-
-
-def _link_snapshot(target: Path, partial: Path, entry: ManifestEntry) -> None:
-    """Give `partial` the recorded files of the snapshot in `target`, as hard links, with the
-    metadata huggingface_hub keeps of them (copied: it rewrites those files in place), so that
-    a download into `partial` fetches only what is missing.
-
-    A recorded file whose size changed is damaged: neither it nor its metadata is carried over
-    (huggingface_hub would keep it, its metadata saying it is complete), so it is fetched
-    again. What `partial` already holds (an interrupted top-up) is kept.
-    """
-    meta = Path(".cache") / "huggingface" / "download"
-    for rel, size in (entry.file_sizes or {}).items():
-        try:
-            src = confine(rel, target, what="recorded file")
-            dst = confine(rel, partial, what="recorded file")
-        except SourceError:
-            continue  # not a name this store writes (a hand-edited manifest): left alone
-        try:
-            if src.is_symlink() or src.stat().st_size != size:
-                log.warning("%s is damaged (not the size it was pulled at); fetching it again", src)
-                continue
-        except OSError:
-            continue  # missing: fetched again
-        _carry(src, dst, copy=False)
-        _carry(target / meta / f"{rel}.metadata", partial / meta / f"{rel}.metadata", copy=True)
-
-
-def _carry(src: Path, dst: Path, *, copy: bool) -> None:
-    """Link (or copy) `src` to `dst` unless `dst` exists; a file that cannot be linked (a
-    filesystem without hard links) is left to be fetched again."""
-    if dst.exists() or not src.is_file():
-        return
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if copy:
-            shutil.copy2(src, dst)
-        else:
-            os.link(src, dst)
-    except OSError as err:
-        log.warning("cannot reuse %s for the pull (%s); fetching it again", src, err)

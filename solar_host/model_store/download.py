@@ -1,0 +1,315 @@
+"""The shared download of one pull: fetch into `MODELS_DIR/.partial/<slug>`, check, place.
+
+Downloads run in worker threads and only count bytes; a monitor on the event loop emits the
+throttled `downloading` events of every caller and aborts the pull (507, what it fetched
+removed) when free disk space falls under MIN_FREE_DISK_GB. A cancelled or interrupted pull
+leaves its partial directory for the next one to resume; a pull that fails with nothing worth
+resuming (401, 404, 507, or nothing fetched yet) leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from solar_host.model_store import huggingface, oci
+from solar_host.model_store.layers import assemble
+from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
+from solar_host.model_store.placement import PARTIAL, link_snapshot, place, remove_if_empty
+from solar_host.model_store.progress import ByteCounter, PullReporter
+from solar_host.model_store.pull import PullError, PullRequest, inventory, split_ref, sync_tree
+from solar_host.resources.probes import GB
+from solar_host.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PullJob:
+    """One download of one base URI, shared by every caller that wants the same thing."""
+
+    key: tuple[str, tuple[str, ...] | None]
+    reporters: list[PullReporter] = field(default_factory=list)
+    task: asyncio.Task[ManifestEntry] | None = None
+    cancel: oci.CancelToken = field(default_factory=oci.CancelToken)
+    bytes_total: int | None = None
+
+
+@dataclass
+class _Plan:
+    """What one download fetches, worked out before the first byte."""
+
+    fetch: Callable[[], None]
+    filters: list[str] | None = None
+    layers: list[oci.Layer] = field(default_factory=list)
+    manifest_digest: str | None = None
+    present: int = 0  # bytes already on disk (a resume)
+    measure: Path | None = None  # count progress as the bytes on disk under this directory
+
+
+class Download:
+    """Runs the download of a `PullJob` for the store (`run`)."""
+
+    def __init__(
+        self, settings: Settings, manifest: Manifest, free_bytes: Callable[[], int | None]
+    ) -> None:
+        self.settings = settings
+        self.manifest = manifest
+        self.models_dir = manifest.models_dir
+        self.free_bytes = free_bytes
+
+    @property
+    def floor(self) -> int:
+        return int(self.settings.min_free_disk_gb * GB)
+
+    async def run(self, job: PullJob, req: PullRequest, slug: str) -> ManifestEntry:
+        partial = self.models_dir / PARTIAL / slug
+        target = self.models_dir / slug
+        counter = ByteCounter()
+        try:
+            if req.source == "harbor":
+                plan = await self._harbor_plan(job, req, partial, counter)
+            else:
+                plan = await self._hub_plan(job, req, partial, target)
+            for r in job.reporters:
+                if job.bytes_total is not None:
+                    r.bytes_total = job.bytes_total
+            await asyncio.to_thread(self._check_room, job.bytes_total, plan.present)
+            await self._run_monitored(job, plan.fetch, counter, partial, plan.measure)
+            for r in job.reporters:
+                r.phase("verifying")  # blobs were hashed while streaming; now place the files
+                r.phase("finalizing")
+            try:
+                return await asyncio.to_thread(self._finalize, req, slug, partial, target, plan)
+            except OSError as err:
+                if err.errno == errno.ENOSPC:
+                    raise PullError(
+                        507, "insufficient_storage", "Insufficient disk space."
+                    ) from err
+                raise
+        except PullError as err:
+            # Nothing worth resuming: free the disk. A top-up's partial directory holds
+            # only links to the model, which stays as it was.
+            drop = err.status_code in (401, 404, 507)
+            await asyncio.to_thread(self._leave, partial, drop)
+            raise
+
+    def _leave(self, partial: Path, drop: bool) -> None:
+        """After a failure: remove `partial` when dropped or when it holds no file at all."""
+        if drop or not any(p.is_file() for p in partial.rglob("*")):
+            shutil.rmtree(partial, ignore_errors=True)
+        remove_if_empty(partial.parent)
+
+    def _check_room(self, total: int | None, present: int) -> None:
+        """What is still to fetch plus the floor must fit now."""
+        need = max(0, (total or 0) - present)
+        free = self.free_bytes()
+        if free is not None and free < need + self.floor:
+            raise PullError(
+                507,
+                "insufficient_storage",
+                f"Insufficient disk space. Available: {free / GB:.2f} GB, required: "
+                f"{(need + self.floor) / GB:.2f} GB (including MIN_FREE_DISK_GB "
+                f"{self.settings.min_free_disk_gb:.2f}).",
+            )
+
+    async def _harbor_plan(
+        self, job: PullJob, req: PullRequest, partial: Path, counter: ByteCounter
+    ) -> _Plan:
+        s = self.settings
+        registry = oci.Registry(s.harbor_url, s.harbor_username, s.harbor_password)
+        _, repo, tag, digest = split_ref(req.harbor_ref or "", registry.host)
+        layers, manifest_digest = await asyncio.to_thread(
+            registry.manifest, repo, digest or tag or "latest"
+        )
+        if req.digest and manifest_digest and req.digest != manifest_digest:
+            log.warning(
+                "pull of %s: the request's digest %s is not the manifest's (%s); the "
+                "manifest's is recorded",
+                req.source_uri,
+                req.digest,
+                manifest_digest,
+            )
+        job.bytes_total = sum(x.size for x in layers)
+        blobs = partial / "blobs"
+
+        def fetch() -> None:
+            for layer in layers:
+                if job.cancel.is_set():
+                    raise oci.Cancelled()
+                registry.fetch_blob(repo, layer, blobs, counter, job.cancel)
+
+        present = await asyncio.to_thread(_bytes_present, blobs, layers)
+        return _Plan(fetch, layers=layers, manifest_digest=manifest_digest, present=present)
+
+    async def _hub_plan(self, job: PullJob, req: PullRequest, partial: Path, target: Path) -> _Plan:
+        old = self.manifest.get(req.base_uri)
+        # Adding files to a snapshot on disk: the download reuses its files (also when an
+        # earlier top-up was interrupted and left its partial directory).
+        topup = (
+            old is not None and Path(old.path) == target and await asyncio.to_thread(target.is_dir)
+        )
+        filters = req.filters
+        if topup and old is not None:
+            filters = (
+                None
+                if filters is None or old.file_filters is None
+                else sorted(set(old.file_filters) | set(filters))
+            )
+        if req.size_bytes:
+            job.bytes_total = req.size_bytes
+        if topup and old is not None:
+            # The model stays where it is, recorded and usable, while the download runs: its
+            # files are linked into the partial directory (no disk, no copy), and only the
+            # finished snapshot replaces it. A failed or killed top-up leaves it as it was.
+            await asyncio.to_thread(link_snapshot, target, partial, old)
+
+        def fetch() -> None:
+            endpoint = self.settings.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
+            huggingface.download(
+                (req.model_id or "").strip().strip("/"),
+                partial,
+                token=self.settings.hf_token or None,
+                endpoint=endpoint,
+                allow_patterns=filters,
+                cancel=job.cancel.event,
+            )
+
+        return _Plan(fetch, filters=filters, measure=partial)
+
+    async def _run_monitored(
+        self,
+        job: PullJob,
+        fetch: Callable[[], None],
+        counter: ByteCounter,
+        partial: Path,
+        measure: Path | None = None,
+    ) -> None:
+        """Run `fetch` in a thread; report progress; abort on low disk or cancellation.
+
+        Progress is what the fetch counted, or (`measure`) the bytes on disk under that dir.
+        """
+        await asyncio.to_thread(partial.mkdir, parents=True, exist_ok=True)
+        fut = asyncio.ensure_future(asyncio.to_thread(fetch))
+        s = self.settings
+        poll = min(s.pull_disk_poll_interval_s, s.pull_progress_interval_s)
+        last_t, last_b = time.monotonic(), counter.done
+        first = True
+        low_disk = False
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=0 if first else poll)
+                if measure is not None:
+                    counter.set(await asyncio.to_thread(huggingface.bytes_on_disk, measure))
+                now = time.monotonic()
+                speed = (counter.done - last_b) / (now - last_t) if now > last_t else None
+                if not first:
+                    last_t, last_b = now, counter.done
+                for r in job.reporters:
+                    r.downloading(counter.done, speed, force=first)
+                first = False
+                if done:
+                    break
+                free = await asyncio.to_thread(self.free_bytes)
+                if free is not None and free < self.floor:
+                    low_disk = True
+                    job.cancel.cancel()
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(asyncio.shield(fut), 30)
+                    break
+            if low_disk:  # the caller clears what this pull fetched (see run)
+                raise PullError(
+                    507, "insufficient_storage", "Insufficient disk space during download."
+                )
+            _outcome_of(fut)
+        except asyncio.CancelledError:
+            # Stop the thread before giving up, so a resumed pull never races a live writer.
+            job.cancel.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(fut), 30)
+            raise
+
+    def _finalize(
+        self, req: PullRequest, slug: str, partial: Path, target: Path, plan: _Plan
+    ) -> ManifestEntry:
+        file_digests: dict[str, str] | None = None
+        layers = plan.layers
+        if layers:
+            tree = partial / "tree"
+            if tree.exists():
+                shutil.rmtree(tree)
+            assemble(layers, partial / "blobs", tree, self._room)
+            file_digests = {x.title: x.digest for x in layers if not x.unpack}
+            src = tree
+        else:
+            src = partial
+        files = inventory(src)
+        sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
+        metadata = dict(req.metadata or {})
+        if req.source == "harbor":
+            metadata.setdefault("harbor_ref", req.harbor_ref)
+        entry = ManifestEntry(
+            slug=slug,
+            source_uri=req.base_uri,
+            path=str(target),
+            size_bytes=sum(s for _, s in files),
+            # A registry artifact's digest is the one computed from its manifest; a caller's
+            # digest only labels what has none (a HuggingFace snapshot).
+            digest=plan.manifest_digest or req.digest,
+            downloaded_at=now_iso(),
+            category=req.category,
+            name=req.name,
+            version=req.version,
+            checksum=req.checksum,
+            metadata=metadata or None,
+            file_digests=file_digests,
+            file_sizes=dict(files),
+            file_filters=plan.filters,
+        )
+        place(self.models_dir, self.manifest, src, target, entry)
+        if src != partial:
+            shutil.rmtree(partial, ignore_errors=True)
+        remove_if_empty(self.models_dir / PARTIAL)
+        return entry
+
+    def _room(self, n: int) -> None:
+        """Refuse to unpack `n` more bytes when they would take the disk under the floor."""
+        free = self.free_bytes()
+        if free is not None and free - n < self.floor:
+            raise PullError(
+                507,
+                "insufficient_storage",
+                "Insufficient disk space while unpacking the artifact.",
+            )
+
+
+def _outcome_of(fut: asyncio.Future[None]) -> None:
+    """The finished fetch's result, its failures as the contract's statuses."""
+    try:
+        fut.result()
+    except (oci.Cancelled, huggingface.PullCancelled):
+        raise asyncio.CancelledError() from None
+    except PullError:
+        raise
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise PullError(507, "insufficient_storage", "Insufficient disk space.") from err
+        raise PullError(500, "model_pull_failed", f"{err}") from err
+
+
+def _bytes_present(blobs: Path, layers: list[oci.Layer]) -> int:
+    total = 0
+    for x in layers:
+        for name in (f"sha256-{x.hex}", f"sha256-{x.hex}.part"):
+            p = blobs / name
+            if p.is_file():
+                total += min(p.stat().st_size, x.size)
+    return total
