@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from pydantic import ValidationError
 
 from solar_host.backends.base import HostFacts, LaunchContext, LaunchError
 from solar_host.backends.llamacpp import BACKEND, is_ready_line
 from solar_host.backends.llamacpp_config import LlamaCppConfig, coerce_bool_strings, normalize_csv
+from solar_host.platform.cpus import physical_cores
 
 HOST_KEY = "host-key-123"
 
@@ -42,7 +48,7 @@ def contiguous(haystack: list[str], needle: list[str]) -> bool:
 
 
 def test_default_command_exact_order_and_key_in_env():
-    spec = BACKEND.launch(cfg(), ctx())
+    spec = BACKEND.launch(cfg(), ctx(gpu_type="nvidia_cuda"))
     assert spec.argv == [
         "/opt/llama/llama-server",
         "--model", "/models/m.gguf",
@@ -64,6 +70,74 @@ def test_default_command_exact_order_and_key_in_env():
     assert "--api-key" not in spec.argv
     assert all(HOST_KEY not in a for a in spec.argv)
     assert "LLAMA_ARG_API_KEY_FILE" in spec.env_remove
+
+
+def threads_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--threads") + 1])
+
+
+def test_threads_unset_is_the_usable_cores_on_the_cpu_and_one_on_a_gpu():
+    cores = physical_cores()
+    gpu = ctx(gpu_type="nvidia_cuda")
+    assert threads_of(BACKEND.launch(cfg(), gpu).argv) == 1  # fully offloaded: as before
+    assert threads_of(BACKEND.launch(cfg(n_gpu_layers=0), gpu).argv) == cores
+    assert threads_of(BACKEND.launch(cfg(devices="none"), gpu).argv) == cores
+    assert threads_of(BACKEND.launch(cfg(), ctx(gpu_type="cpu")).argv) == cores  # no GPU
+    assert threads_of(BACKEND.launch(cfg(), ctx(gpu_type="apple_mps")).argv) == 1
+    # a number is honoured either way, and unset stays unset in the config (chosen per start)
+    for c in (gpu, ctx(gpu_type="cpu")):
+        assert threads_of(BACKEND.launch(cfg(threads=3), c).argv) == 3
+    config = cfg()
+    BACKEND.launch(config, ctx())
+    assert config.threads is None
+
+
+def test_the_default_follows_the_cpu_affinity_of_the_host():
+    """A host confined to one CPU (taskset, a cgroup cpuset) starts llama-server with one
+    thread; with the machine's CPUs it gets the machine's physical cores."""
+    code = (
+        "import json, os, sys\n"
+        "from pathlib import Path\n"
+        "from solar_host.backends.base import LaunchContext\n"
+        "from solar_host.backends.llamacpp import BACKEND\n"
+        "from solar_host.backends.llamacpp_config import LlamaCppConfig\n"
+        "os.sched_setaffinity(0, json.loads(sys.argv[1]))\n"
+        "c = LlamaCppConfig(alias='m', model='/models/m.gguf')\n"
+        "ctx = LaunchContext(instance_id='i', port=1, host_api_key='', models_dir=Path('/m'))\n"
+        "argv = BACKEND.launch(c, ctx).argv\n"
+        "print(argv[argv.index('--threads') + 1])\n"
+    )
+    everything = sorted(os.sched_getaffinity(0))
+
+    def threads_with(cpus: list[int]) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(cpus)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return int(out.stdout)
+
+    assert threads_with(everything[:1]) == 1
+    assert threads_with(everything) == physical_cores(everything)
+    if len(everything) == (os.cpu_count() or 0):
+        assert threads_with(everything) == psutil.cpu_count(logical=False)
+
+
+def test_physical_cores_counts_hyperthreads_once(tmp_path: Path):
+    """A sysfs tree as the kernel writes it: 4 CPUs, two threads per core."""
+    for cpu, siblings in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3")):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "core_cpus_list").write_text(siblings + "\n")
+    assert physical_cores([0, 1, 2, 3], tmp_path) == 2
+    assert physical_cores([0, 2], tmp_path) == 1  # both threads of one core
+    assert physical_cores([0, 1], tmp_path) == 2
+    # an older kernel names the file thread_siblings_list; none at all: each CPU is a core
+    (tmp_path / "cpu3" / "topology" / "core_cpus_list").rename(
+        tmp_path / "cpu3" / "topology" / "thread_siblings_list"
+    )
+    assert physical_cores([1, 3], tmp_path) == 1
+    assert physical_cores([7, 8], tmp_path) == 2
+    assert physical_cores([], tmp_path) == 1
 
 
 def test_instance_key_is_added_after_host_key_never_instead():

@@ -38,6 +38,7 @@ from solar_host.backends.base import (
 )
 from solar_host.backends.llamacpp_config import LlamaCppConfig
 from solar_host.model_store.roots import anchor_relative
+from solar_host.platform.cpus import physical_cores
 
 API_KEY_ENV = "LLAMA_API_KEY"
 # Would add keys or move the key file behind our back; the host's own LLAMA_API_KEY (if any)
@@ -393,6 +394,8 @@ class LlamaCppBackend(BackendBase):
             _require_gguf(name, getattr(c, name))
         # An executable that does not resolve is named as configured: preflight refuses the
         # start with the reason before anything is spawned.
+        if c.threads is None:
+            c.threads = default_threads(c, ctx.gpu_type)
         server = llamacpp_exec.resolve(ctx.llama_server_bin)
         prefix = server.argv or ((ctx.llama_server_bin or llamacpp_exec.DEFAULT_BIN).strip(),)
         argv = [*prefix, *command_args(c, ctx.port)]
@@ -538,6 +541,19 @@ def refused_flags(args: list[str], server: llamacpp_exec.LlamaServer) -> list[st
         for a in flags_of(args)
         if a not in server.supported_flags
     ]
+
+
+def runs_on_cpu(c: LlamaCppConfig, gpu_type: str) -> bool:
+    """Whether llama-server computes the model's layers on the CPU: no GPU on this host, no
+    layer offloaded, or no device offered."""
+    return gpu_type == "cpu" or c.n_gpu_layers == 0 or (c.devices or "").lower() == "none"
+
+
+def default_threads(c: LlamaCppConfig, gpu_type: str) -> int:
+    """`threads` left unset: every physical core this process may use when the model runs on
+    the CPU (one thread left a CPU-only host at one core's speed), 1 when a GPU computes it
+    (more would only spin on the CPU beside it)."""
+    return physical_cores() if runs_on_cpu(c, gpu_type) else 1
 
 
 def command_args(c: LlamaCppConfig, port: int) -> list[str]:

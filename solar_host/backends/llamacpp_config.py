@@ -48,7 +48,8 @@ class LlamaCppConfig(BackendConfigBase):
     )
     mmproj: str | None = Field(default=None, description="Multimodal projector file or pattern.")
     mmproj_offload: bool = True
-    threads: int = Field(default=1, ge=1, le=4096)
+    # Unset: chosen at each start (llamacpp.default_threads), never stored.
+    threads: int | None = Field(default=None, ge=1, le=4096)
     n_gpu_layers: int = Field(default=999, ge=-1, le=100_000)
     devices: str | None = None
     split_mode: Literal["none", "layer", "row", "tensor"] | None = None

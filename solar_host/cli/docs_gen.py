@@ -26,14 +26,16 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # Descriptions of config fields whose model has none. Key: "field" (every backend) or
 # "backend_type.field" (one backend; wins over the plain key).
 CONFIG_NOTES: dict[str, str] = {
     # llama.cpp
     "mmproj_offload": "Keep the projector on the GPU; false adds `--no-mmproj-offload`.",
-    "threads": "CPU threads (`--threads`).",
+    "threads": "CPU threads (`--threads`). Unset: the physical cores the host may use (its "
+    "CPU affinity) when the model runs on the CPU (n_gpu_layers 0, devices `none`, or no GPU), "
+    "1 when it is offloaded to a GPU.",
     "n_gpu_layers": "Layers offloaded to the GPU (`--n_gpu_layers`); 999 means all.",
     "devices": "Comma-separated devices to use (`--device`), e.g. `CUDA0,CUDA1`; "
     "empty offers every device.",
