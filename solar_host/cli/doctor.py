@@ -2,7 +2,9 @@
 
 It reads the same settings the host would (.env, the environment), changes nothing (no
 directory created, no key generated) and prints one line per check with the fix under each
-failing one. Exit 0 only when every check passes.
+failing one. Optional parts this configuration does not use (Docker, which only jobs need; a
+solar-control URL, without which the host runs standalone) are skipped, with why. Exit 0 when
+every check that this configuration needs passes.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +31,8 @@ class Check:
     fix: str = ""
     # Passed, but with something to fix (shown as [warn]; the exit status stays 0).
     warning: bool = False
+    # Not checked: an optional part this configuration does not use (`detail` says why).
+    skipped: bool = False
 
 
 # --- the checks (each pure apart from the probe it names) ------------------------------
@@ -90,12 +94,12 @@ def _env_file_exposes_key(env_file: str | Path | None) -> str | None:
 def check_api_key(settings: Settings, env_file: str | Path | None = None) -> Check:
     key, where = _key(settings)
     if not key:
+        # Nothing to fix: a host without a key makes one at its first start.
         return Check(
             "api key",
-            False,
-            "API_KEY is not set and no generated key is stored yet",
-            f"set API_KEY in .env (a long random secret), or start the host once to have one "
-            f"generated into {settings.api_key_file.absolute()}",
+            True,
+            f"none yet: the host generates one into {settings.api_key_file.absolute()} at its "
+            "first start (or set API_KEY in .env)",
         )
     if key.lower() in PLACEHOLDER_API_KEYS:
         return Check("api key", False, f"{where} is a documentation placeholder", "set a secret")
@@ -294,13 +298,16 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
             )
         exposed = state_backends_may_write(settings) if settings.backend_write_confinement else []
         if exposed:
+            # A warning: the host runs (a checkout tried out under /tmp, say), only the
+            # confinement does not cover its own files.
             what = "; ".join(f"{path} lies in {tree}" for path, tree in exposed)
             return Check(
                 "write confinement",
-                False,
+                True,
                 f"backends may write the host's own files: {what}",
                 "keep CONFIG_FILE, LOG_DIR and JOBS_DIR out of TMPDIR (else /tmp) and the "
                 "caches backends write, or point TMPDIR elsewhere",
+                warning=True,
             )
         return Check(
             "read confinement",
@@ -315,8 +322,25 @@ def check_confinement(settings: Settings, abi: int | None = None) -> Check:
     return Check("read confinement", True, f"{detail}; backends start unconfined ({fix})")
 
 
-def check_docker(connect: Callable[[], Any] | None = None) -> Check:
-    """Jobs run in Docker: the daemon must answer a ping."""
+def check_docker(
+    connect: Callable[[], Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    default_socket: str | None = None,
+) -> Check:
+    """Jobs run in Docker: the daemon must answer a ping where Docker is configured
+    (DOCKER_HOST) or installed (its socket is there); elsewhere jobs are simply not offered."""
+    from solar_host.jobs.docker import DEFAULT_SOCKET
+
+    configured = bool((os.environ if environ is None else environ).get("DOCKER_HOST"))
+    sock = DEFAULT_SOCKET if default_socket is None else default_socket
+    if not configured and not os.path.exists(sock):
+        return Check(
+            "docker",
+            True,
+            f"no Docker (DOCKER_HOST is unset and {sock} is missing); only jobs need it",
+            skipped=True,
+        )
     try:
         if connect is None:
             from solar_host.jobs.docker import DockerJobs
@@ -330,12 +354,16 @@ def check_docker(connect: Callable[[], Any] | None = None) -> Check:
             if close:
                 close()
     except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        # DOCKER_HOST says jobs are meant to run: a failure. A socket nobody pointed the host
+        # at (Docker installed for something else) is a warning.
         return Check(
             "docker",
-            False,
-            f"daemon not reachable: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            not configured,
+            f"daemon not reachable: {reason}" + ("" if configured else "; only jobs need it"),
             "start dockerd (systemctl start docker), set DOCKER_HOST, or add this user to the "
             "docker group; only jobs need it",
+            warning=not configured,
         )
     return Check("docker", True, "daemon answers")
 
@@ -345,9 +373,10 @@ def check_control(settings: Settings, timeout: float = 5.0) -> Check:
     if not urls:
         return Check(
             "control url",
-            False,
-            "SOLAR_CONTROL_URL is not set (the host runs standalone)",
-            "set SOLAR_CONTROL_URL to solar-control's URL to join a fleet",
+            True,
+            "SOLAR_CONTROL_URL is not set, so the host runs standalone (set it to "
+            "solar-control's URL to join a fleet)",
+            skipped=True,
         )
     import httpx
 
@@ -417,16 +446,19 @@ def render(table: dict[str, Any], checks: list[Check], out: TextIO) -> None:
     out.write("\nChecks:\n")
     width = max(len(c.name) for c in checks)
     for c in checks:
-        mark = "FAIL" if not c.ok else "warn" if c.warning else "ok"
+        mark = "FAIL" if not c.ok else "skip" if c.skipped else "warn" if c.warning else "ok"
         out.write(f"  [{mark:>4}] {c.name:<{width}}  {c.detail}\n")
         if (not c.ok or c.warning) and c.fix:
             out.write(f"         {'':<{width}}  fix: {c.fix}\n")
     failed = [c.name for c in checks if not c.ok]
     warned = [c.name for c in checks if c.ok and c.warning]
+    skipped = [c.name for c in checks if c.skipped]
+    ran = len(checks) - len(skipped)
     out.write(
-        f"\n{len(checks) - len(failed)}/{len(checks)} checks passed"
+        f"\n{ran - len(failed)}/{ran} checks passed"
         + (f"; failing: {', '.join(failed)}" if failed else "")
         + (f"; warnings: {', '.join(warned)}" if warned else "")
+        + (f"; skipped (optional, not configured): {', '.join(skipped)}" if skipped else "")
         + "\n"
     )
 
@@ -440,7 +472,8 @@ def run(
     docker_connect: Callable[[], Any] | None = None,
     env_file: str | Path | None = None,
 ) -> int:
-    """Print the report; 0 when every check passed (warnings included), 1 otherwise."""
+    """Print the report; 0 when every check passed (warnings and skipped ones included), 1
+    otherwise."""
     out = out or sys.stdout
     table, checks = diagnose(
         settings, probe=probe, docker_connect=docker_connect, env_file=env_file
