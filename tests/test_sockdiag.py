@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from solar_host.instances import ownership, sockdiag
+from solar_host.instances import ownership, procfs, sockdiag
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux netlink")
 
@@ -62,7 +62,7 @@ def test_listening_sockets_of_both_families_and_nothing_else(sockets) -> None:
     assert inode(served) not in set().union(*table.values())
     assert bound_only.getsockname()[1] not in table
     # The kernel interface and /proc agree on what listens (ports opened by the test at least).
-    proc = ownership.proc_listeners()
+    proc = procfs.tcp_listeners()
     mine = {port4} | ({port6} if port6 else set())
     assert {p: table[p] for p in mine} == {p: proc[p] for p in mine}
 

@@ -11,17 +11,16 @@ that backend: alive, listening on the recorded port (ownership.owns_port) and ru
 backend kind's program. It is ended (SIGTERM, a bounded wait, SIGKILL, its identity checked
 again before each signal) before the instance starts again. A pid that is gone, or that now
 runs another program that does not listen there, is never signalled and the instance starts
-as usual. One that cannot be judged (half the evidence, /proc unreadable, or it survives
+as usual. One that cannot be judged (half the evidence, its process entry unreadable, or it survives
 SIGKILL) is left alone, loudly, and its instance is not started: a duplicate on top of a live
 backend is what this avoids.
 
-Blocking (/proc reads, waits): runs where config.json is loaded, in a worker thread, before
+Blocking (procfs reads, waits): runs where config.json is loaded, in a worker thread, before
 any backend starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -29,7 +28,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from solar_host.instances import ownership
+from solar_host.instances import ownership, procfs, signals
 from solar_host.instances.ownership import Identity
 from solar_host.instances.states import InstanceStatus as S
 
@@ -111,30 +110,6 @@ def judge(pid: int, port: int | None, backend_type: str) -> tuple[str, Identity 
     return "unsure", ident, why
 
 
-def _signal(ident: Identity, sig: int) -> bool:
-    """Signal exactly this process: a pidfd is taken, then its identity checked, so a pid
-    reused between the check and the signal is never hit. False when it is gone."""
-    try:
-        fd = os.pidfd_open(ident.pid)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        fd = -1  # no pidfd (an old kernel): the check right before the signal
-    try:
-        if not ownership.is_same(ident):
-            return False
-        if fd >= 0:
-            signal.pidfd_send_signal(fd, sig)
-        else:
-            os.kill(ident.pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
 def _wait_gone(idents: Iterable[Identity], timeout: float) -> list[Identity]:
     deadline = time.monotonic() + timeout
     while True:
@@ -147,23 +122,23 @@ def _wait_gone(idents: Iterable[Identity], timeout: float) -> list[Identity]:
 def _descendants(pid: int) -> list[Identity]:
     """Its children, theirs, and so on: a backend's workers, found before it is signalled
     (once it exits they are reparented and no longer known as its)."""
+    table = procfs.table(include_self=True)
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-            ppid = int(data[data.rindex(b")") + 2 :].split()[1])
-            children.setdefault(ppid, []).append(int(name))
+    for child, st in table.items():
+        children.setdefault(st.ppid, []).append(child)
     found: list[Identity] = []
+    boot = procfs.boot_id()
     todo = list(children.get(pid, []))
+    seen = set(todo)  # a table read while pids are reused must not send the walk round a loop
     while todo:
         child = todo.pop()
-        ident = ownership.identity_of(child)
-        if ident is not None:
-            found.append(ident)
-        todo.extend(children.get(child, []))
+        st = table[child]
+        if not st.exited:
+            found.append(Identity(boot, child, st.start_ticks))
+        for grandchild in children.get(child, []):
+            if grandchild not in seen:
+                seen.add(grandchild)
+                todo.append(grandchild)
     return found
 
 
@@ -174,12 +149,12 @@ def end_backends(idents: list[Identity]) -> list[Identity]:
     workers = [w for ident in idents for w in _descendants(ident.pid)]
     left = list(idents)
     for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
-        left = [ident for ident in left if _signal(ident, sig)]
+        left = [ident for ident in left if signals.send(ident, sig)]
         left = _wait_gone(left, wait)
         if not left:
             break
     for worker in _wait_gone(workers, WORKER_GRACE_S):
-        _signal(worker, signal.SIGKILL)
+        signals.send(worker, signal.SIGKILL)
     return left
 
 

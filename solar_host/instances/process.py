@@ -19,9 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
-from solar_host.instances import confinement, ownership
+from solar_host.instances import confinement, ownership, procfs, signals
 from solar_host.instances.ownership import Identity
 
 log = logging.getLogger(__name__)
@@ -82,7 +80,7 @@ def spawn(
     directory `cwd` (created if missing; None: the host's own), able to read and write only
     what `policy` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
 
-    Blocking (fork/exec, /proc reads): call it through asyncio.to_thread. Raises
+    Blocking (fork/exec, procfs reads): call it through asyncio.to_thread. Raises
     confinement.ConfinementUnavailable when `confine` is "required" and cannot be met.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +92,7 @@ def spawn(
     try:
         if policy is not None and policy.confine_writes:
             # Its own log, which `> /dev/stderr` (a wrapper script, a logging config) reopens
-            # by path through /proc/self/fd.
+            # by path, through the process's own descriptor links.
             policy = dataclasses.replace(policy, writable_files=(str(log_path),))
         ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
         command, keep = list(argv), ()
@@ -117,11 +115,10 @@ def spawn(
             ruleset.close()
     # Popen returns after exec; the start time never changes after that, whatever the backend
     # execs next, so the identity taken now is the one re-adoption will find.
-    ticks = ownership.start_ticks(popen.pid)
-    identity = Identity(ownership.boot_id(), popen.pid, ticks if ticks is not None else -1)
-    create_time = time.time()
-    with contextlib.suppress(OSError):
-        create_time = os.stat(f"/proc/{popen.pid}").st_mtime
+    st = procfs.stat(popen.pid)
+    identity = Identity(procfs.boot_id(), popen.pid, st.start_ticks if st is not None else -1)
+    entered = procfs.entry_time(popen.pid)
+    create_time = entered if entered is not None else time.time()
     return BackendProcess(
         identity=identity,
         marker=env.get(ownership.MARKER_VAR),
@@ -129,17 +126,6 @@ def spawn(
         cmdline=list(argv),
         popen=popen,
     )
-
-
-def _signal(ident: Identity, sig: int) -> None:
-    if ownership.is_same(ident):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(ident.pid, sig)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _strays(proc: BackendProcess) -> list[Identity]:
@@ -163,19 +149,17 @@ def _strays(proc: BackendProcess) -> list[Identity]:
 
 def _kin(proc: BackendProcess, known: set[int]) -> list[Identity]:
     """The backend's session, the descendants of it and of `known` (marker carriers), and the
-    holders of its proved listening sockets, from one pass over /proc. Blocking."""
+    holders of its proved listening sockets, from one read of the process table. Blocking."""
     root = proc.identity
     root_alive = ownership.is_same(root)
     # A live process with the backend's pid that is not the backend: the pid was reused, so
     # the session of that id (and that process's children) are someone else's.
     reused = not root_alive and ownership.identity_of(root.pid) is not None
-    table: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, sid, start ticks)
-    for pid in ownership._pids():
-        fields = ownership._stat(pid)
-        if not fields or fields[0] in (b"Z", b"X"):
-            continue
-        with contextlib.suppress(ValueError, IndexError):
-            table[pid] = (int(fields[1]), int(fields[3]), int(fields[19]))
+    table = {
+        pid: (st.ppid, st.sid, st.start_ticks)
+        for pid, st in procfs.table().items()
+        if not st.exited
+    }
     members: set[int] = set()
     if not reused:
         members = {
@@ -201,7 +185,7 @@ def _kin(proc: BackendProcess, known: set[int]) -> list[Identity]:
     if proc.port is not None and proc.sockets:
         live = ownership.listeners().get(proc.port, set()) & proc.sockets
         if live:
-            seen.update(p for p in table if p not in seen and ownership._holds_socket(p, live))
+            seen.update(p for p in table if p not in seen and procfs.holds_socket(p, live))
     seen.discard(root.pid)
     seen.discard(os.getpid())
     return [ownership.Identity(root.boot_id, pid, table[pid][2]) for pid in seen if pid in table]
@@ -210,7 +194,7 @@ def _kin(proc: BackendProcess, known: set[int]) -> list[Identity]:
 def note_listener(proc: BackendProcess, port: int) -> None:
     """Remember `port` as the backend's API port and the sockets listening there that are its
     own (held by it or a process of its session): proved, so that whoever holds one later is
-    found by it (_kin). Blocking (/proc reads)."""
+    found by it (_kin). Blocking (procfs reads)."""
     proc.port = port
     inodes = ownership.listener_inodes(port)
     if not inodes:
@@ -218,7 +202,7 @@ def note_listener(proc: BackendProcess, port: int) -> None:
     holders = [proc.pid]
     with contextlib.suppress(OSError):
         holders += [m for m in ownership.session_members(os.getsid(proc.pid)) if m != proc.pid]
-    own = {i for i in inodes if any(ownership._holds_socket(p, {i}) for p in holders)}
+    own = {i for i in inodes if any(procfs.holds_socket(p, {i}) for p in holders)}
     proc.sockets = frozenset(own)
 
 
@@ -235,23 +219,23 @@ def signal_tree(proc: BackendProcess, sig: int) -> list[Identity]:
     those others. Blocking."""
     if proc.alive():
         # The leader is alive, so its group id (its pid, from start_new_session) is ours.
-        _signal_group(proc.pid, sig)
+        signals.send_group(proc.identity, sig)
     strays = _strays(proc)
     for ident in strays:
-        _signal(ident, sig)
+        signals.send(ident, sig)
     return strays
 
 
 def cpu_seconds(proc: BackendProcess) -> float:
     """CPU time (user + system, every thread) the backend and the other processes of it have
     used so far: what tells a backend that works but does not answer from one that is stuck.
-    Blocking (/proc)."""
+    Blocking (procfs)."""
     total = 0.0
     pids = {proc.pid, *(i.pid for i in _strays(proc))}
     for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            times = psutil.Process(pid).cpu_times()
-            total += times.user + times.system
+        st = procfs.stat(pid)
+        if st is not None:
+            total += st.cpu_ticks / procfs.clock_ticks()
     return total
 
 
@@ -263,7 +247,7 @@ def kill_leftovers(proc: BackendProcess) -> None:
 def end_identities(idents: list[Identity]) -> None:
     """SIGKILL exactly these processes (each checked to still be itself). Blocking."""
     for ident in idents:
-        _signal(ident, signal.SIGKILL)
+        signals.send(ident, signal.SIGKILL)
 
 
 async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
@@ -342,7 +326,7 @@ async def end_tree_leftovers(proc: BackendProcess, known: Sequence[Identity] = (
     is told which process holds it."""
     strays = list({i.pid: i for i in [*known, *await asyncio.to_thread(_strays, proc)]}.values())
     if proc.alive():
-        _signal_group(proc.pid, signal.SIGKILL)
+        signals.send_group(proc.identity, signal.SIGKILL)
     await asyncio.to_thread(end_identities, strays)
     left = await _wait_gone(strays, 5.0)
     if left:
@@ -370,7 +354,7 @@ async def end_tree_leftovers(proc: BackendProcess, known: Sequence[Identity] = (
 async def end_processes(idents: list[Identity], grace_s: float) -> None:
     """Stop stray processes of ours (the boot sweep): SIGTERM, `grace_s`, SIGKILL."""
     for ident in idents:
-        _signal(ident, signal.SIGTERM)
+        signals.send(ident, signal.SIGTERM)
     left = await _wait_gone(idents, grace_s)
     if left:
         await asyncio.to_thread(end_identities, left)
