@@ -421,7 +421,7 @@ def test_a_request_that_ended_is_not_told_of_a_later_failure(model) -> None:
 def test_batch_wide_rope_scalings_run_one_request_at_a_time(model) -> None:
     """longrope and dynamic NTK pick their factor from the longest position in the batch, so a
     long neighbour changed a row's text: such a model decodes its requests one at a time."""
-    from solar_host.servers.hf_decode import batch_changes_rows
+    from solar_host.servers.model_facts import batch_changes_rows
 
     lm, tok = model
 

@@ -23,11 +23,9 @@ from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from solar_host.servers.hf_decode import (  # noqa: E402
-    DecodeScheduler,
+from solar_host.servers.hf_decode import DecodeScheduler, GenRequest, GenResult  # noqa: E402
+from solar_host.servers.sampling import (  # noqa: E402
     GenerateShaping,
-    GenRequest,
-    GenResult,
     LogitShaping,
     frequency_presence_penalty,
     min_p_filter,

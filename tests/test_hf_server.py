@@ -596,7 +596,7 @@ def test_embeddings_body_is_exact_float32_json_and_refuses_nan() -> None:
 
 
 async def test_marker_log_writes_once_per_loop_turn_in_order(monkeypatch) -> None:
-    from solar_host.servers.hf_server import MarkerLog
+    from solar_host.servers.request_log import MarkerLog
 
     writes: list[str] = []
 

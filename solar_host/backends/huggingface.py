@@ -10,7 +10,6 @@ move the runtime state: they generate nothing).
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -39,6 +38,13 @@ from solar_host.backends.huggingface_config import (
     HuggingFaceEmbeddingConfig,
     HuggingFaceVisionConfig,
 )
+from solar_host.servers.log_lines import (
+    GENERATION_ENDPOINTS,
+    is_ready_line,
+    is_started_line,
+    parse_marker,
+    timestamp,
+)
 
 API_KEYS_ENV = "SOLAR_HF_API_KEYS"  # same name as solar_host.servers.hf_server.API_KEYS_ENV
 SERVER_MODULE = "solar_host.servers.hf_server"
@@ -61,12 +67,6 @@ ENDPOINTS = {
     "huggingface_embedding": ["/v1/embeddings", "/v1/models", "/health"],
     "huggingface_vision": ["/v1/chat/completions", "/v1/models", "/health"],
 }
-GENERATION_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-_READY = re.compile(r"Uvicorn running on https?://", re.IGNORECASE)
-_STARTED = re.compile(r"Uvicorn running on|Application startup complete", re.IGNORECASE)
-_MARK = re.compile(r"\[(REQUEST|COMPLETE|ERROR)\]\s+id=(\S+)(.*)$")
-_KV = re.compile(r"(\w+)=(\S+)")
 
 
 def _now() -> datetime:
@@ -84,19 +84,9 @@ def model_dir_of(config: BackendConfigBase, models_dir: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
-def _when(value: str | None) -> datetime | None:
-    """An ISO-8601 time from a marker line (timezone-aware), or None."""
-    if not value:
-        return None
-    try:
-        dt = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return dt if dt.tzinfo is not None else dt.replace(tzinfo=UTC)
-
-
 class HFLogParser:
-    """Runtime state and finished-generation metrics from hf_server's log markers."""
+    """Runtime state and finished-generation metrics from hf_server's log markers (their
+    format: solar_host.servers.log_lines)."""
 
     def __init__(self, clock: Callable[[], datetime] = _now):
         self._clock = clock
@@ -112,11 +102,10 @@ class HFLogParser:
         return state
 
     def feed(self, line: str) -> ParseResult | None:
-        if "[" in line:
-            m = _MARK.search(line)
-            if m:
-                return self._mark(m.group(1), m.group(2), dict(_KV.findall(m.group(3))))
-        if _STARTED.search(line):
+        marker = parse_marker(line)
+        if marker is not None:
+            return self._mark(marker.kind, marker.rid, marker.fields)
+        if is_started_line(line):
             self._active.clear()
             state = self._state()
             return ParseResult(state=state) if state else None
@@ -150,7 +139,7 @@ class HFLogParser:
         # The server's own times when the line carries them: the record is then the request's,
         # not the moment the host happened to read the line (which may be after the next
         # request began).
-        own_end, own_start = _when(kv.get("finished_at")), _when(kv.get("started_at"))
+        own_end, own_start = timestamp(kv.get("finished_at")), timestamp(kv.get("started_at"))
         if own_end is not None:
             now = own_end
             started = own_start or (now - timedelta(milliseconds=ms) if ms is not None else None)
@@ -243,7 +232,7 @@ class HuggingFaceBackend(BackendBase):
         return LaunchSpec(argv=argv, env=env)
 
     def is_ready_line(self, line: str) -> bool:
-        return bool(_READY.search(line))
+        return is_ready_line(line)
 
     def new_parser(self, config: BackendConfigBase) -> HFLogParser:
         return HFLogParser()

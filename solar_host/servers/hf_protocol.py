@@ -265,7 +265,7 @@ class GenParams:
     stream: bool = False
     include_usage: bool = False
     seed: int | None = None
-    # Logit shaping (hf_decode): each value here means "off".
+    # Logit shaping (sampling): each value here means "off".
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0

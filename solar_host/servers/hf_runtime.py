@@ -1,4 +1,5 @@
-"""Model loading and the model work of hf_server (torch lives here and in hf_decode only).
+"""Model loading and the model work of hf_server (torch lives here and in hf_decode, sampling
+and model_facts only).
 
 Every public method of an engine is blocking and runs in the server's single worker thread:
 the event loop never waits on torch. Batch methods take several requests at once and return
@@ -22,10 +23,12 @@ import torch
 from jinja2 import TemplateError
 
 from solar_host.servers.detokenizer import Detokenizer
-from solar_host.servers.hf_decode import GenerateShaping, GenResult, config_parts, vocab_size
+from solar_host.servers.hf_decode import GenResult
 from solar_host.servers.hf_images import to_rgb
 from solar_host.servers.hf_protocol import APIError, GenParams, StopScanner
+from solar_host.servers.model_facts import config_parts, vocab_size
 from solar_host.servers.prompt_encoder import PromptEncoder
+from solar_host.servers.sampling import GenerateShaping
 
 MAX_IMAGE_PIXELS = 40_000_000  # a decompression bomb is refused from its header
 # All the images of one request together: eight images at the limit each held the model's one
