@@ -348,9 +348,9 @@ async def test_prometheus_naming_rules_and_bearer(tmp_path: Path) -> None:
             assert r.status_code == 200
             wrong = await bare.get("/metrics", headers={"Authorization": "Bearer nope"})
             assert wrong.status_code == 401
-            # Bearer is for the scrape endpoint only; the REST API keeps X-API-Key
+            # Bearer is taken wherever X-API-Key is (issue 39), the REST API included
             other = await bare.get("/instances", headers={"Authorization": f"Bearer {API_KEY}"})
-            assert other.status_code == 401
+            assert other.status_code == 200
         text = r.text
         assert naming_problems(text) == []
         s = parse(text)

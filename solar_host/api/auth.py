@@ -1,5 +1,9 @@
 """API key authentication for every HTTP and WebSocket route but the public ones.
 
+The key is taken as `X-API-Key: <key>` or `Authorization: Bearer <key>` (what OpenAI clients,
+Prometheus and most tools send), and on WebSocket routes also as `?api_key=` (browsers cannot
+set headers there). Each refusal is logged, rate-limited (refusals.py).
+
 A pure ASGI middleware (no per-request task or body wrapping), because it runs on every request
 and `GET /instances` is polled hard by solar-control.
 """
@@ -13,13 +17,15 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host.api.asgi_json import detail, send_json
+from solar_host.api.refusals import RefusalLog
 
 PUBLIC_PATHS = frozenset(
     {"/", "/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
 )
 PUBLIC_PREFIXES = ("/docs/static/",)
-# Routes that also take the key as `Authorization: Bearer <key>` (scrapers send that header).
-BEARER_PATHS = frozenset({"/metrics"})
+NO_KEY = "no API key (X-API-Key or Authorization: Bearer)"
+NOT_BEARER = "Authorization is not 'Bearer <key>'"
+WRONG_KEY = "wrong API key"
 
 
 def keys_match(given: str | None, expected: str) -> bool:
@@ -39,6 +45,7 @@ class APIKeyMiddleware:
         self.app = app
         self.get_key = get_key
         self.extra_public = is_public
+        self.refusals = RefusalLog()
 
     def public(self, path: str) -> bool:
         if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES):
@@ -62,11 +69,13 @@ class APIKeyMiddleware:
                 break
             if name == b"authorization":
                 bearer = value
-        if given is None and bearer is not None and path in BEARER_PATHS:
-            # Prometheus' scrape config sends `Authorization: Bearer <key>`.
-            scheme, _, token = bearer.decode("latin-1").partition(" ")
+        why = NO_KEY
+        if given is None and bearer is not None:
+            scheme, _, token = bearer.decode("latin-1").strip().partition(" ")
             if scheme.lower() == "bearer":
                 given = token.strip()
+            else:
+                why = NOT_BEARER
         if given is None and kind == "websocket":
             qs = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
             if qs.get("api_key"):
@@ -74,6 +83,9 @@ class APIKeyMiddleware:
         if keys_match(given, self.get_key()):
             await self.app(scope, receive, send)
             return
+        client = scope.get("client")
+        route = f"{scope.get('method', 'GET')} {path}" if kind == "http" else f"WebSocket {path}"
+        self.refusals.refuse(client[0] if client else "unknown", route, WRONG_KEY if given else why)
         if kind == "websocket":
             # Accept, then close with 1008 (policy violation): a refused handshake would only
             # show the client an HTTP 403 without a reason it can act on.
