@@ -36,19 +36,34 @@ class HotPathMiddleware:
 
 def health_body(host: Any) -> bytes:
     """The /health answer (the route returns the same bytes)."""
+    return _health_json(host.models_disk())
+
+
+def _health_json(disk: dict[str, float] | None) -> bytes:
     return json.dumps(
-        {
-            "status": "healthy",
-            "service": "solar-host",
-            "version": __version__,
-            "disk": host.models_disk(),
-        },
+        {"status": "healthy", "service": "solar-host", "version": __version__, "disk": disk},
         separators=(",", ":"),
     ).encode()
+
+
+class HealthAnswer:
+    """/health's bytes, made again only when the disk reading changed: it is the same object
+    until its next refresh (at most every few seconds), however often /health is asked."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+        self._disk: Any = None
+        self._body = b""
+
+    def __call__(self) -> bytes:
+        disk = self.host.models_disk()
+        if disk is None or disk is not self._disk:
+            self._disk, self._body = disk, _health_json(disk)
+        return self._body
 
 
 def hot_routes(host: Any) -> dict[str, Callable[[], bytes]]:
     return {
         "/instances": lambda: host.instances.list_json(),
-        "/health": lambda: health_body(host),
+        "/health": HealthAnswer(host),
     }

@@ -9,9 +9,9 @@ log records from routes and services (and tasks they spawn) carry it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,7 +24,7 @@ log = logging.getLogger("solar_host.access")
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
+    return os.urandom(8).hex()  # 16 hex digits, as uuid4().hex[:16] gave, at a third of its cost
 
 
 def incoming_id(scope: Scope) -> str:
