@@ -287,9 +287,9 @@ async def test_usage_is_read_from_a_real_llama_server_metrics(
     """GET /instances/{id}/usage carries llama.cpp's own counters from its /metrics. Before
     backends declared their capabilities as methods, the llama.cpp backend's snapshot was a
     module function the supervisor's name lookup never found: usage stayed empty."""
-    from solar_host.instances import supervisor as supervisor_module
+    from solar_host.instances import health as health_module
 
-    monkeypatch.setattr(supervisor_module, "METRICS_POLL_S", 0.1)
+    monkeypatch.setattr(health_module, "METRICS_POLL_S", 0.1)
     s = host_settings(tmp_path, llama_server_bin=llama_bin, model_roots=str(tiny_gguf.parent))
     async with running_host(s) as h:
         iid = (await h.client.post("/instances", json={"config": llama_cfg(tiny_gguf)})).json()[

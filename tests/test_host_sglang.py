@@ -29,7 +29,7 @@ import pytest
 import pytest_asyncio
 
 from solar_host.backends import sglang_cache
-from solar_host.instances import supervisor as supervisor_module
+from solar_host.instances import health as health_module
 from tests.fixtures.fake_sglang import make_fake_sglang_venv
 from tests.fixtures.host import API_KEY, free_port, host_settings, running_host
 from tests.fixtures.probes import FakeProbe
@@ -82,7 +82,7 @@ def sg_config(model: Path, alias: str = ALIAS, **extra: Any) -> dict[str, Any]:
 def fast_metrics_poll() -> Iterator[None]:
     """The supervisor polls /metrics every 2 s; 0.1 s keeps the module fast."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(supervisor_module, "METRICS_POLL_S", 0.1)
+    mp.setattr(health_module, "METRICS_POLL_S", 0.1)
     yield
     mp.undo()
 

@@ -17,13 +17,14 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from solar_host.backends.base import HostFacts
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
 from solar_host.instances import ownership
 from solar_host.instances import process as procs
+from solar_host.instances.context import SupervisorContext
 from solar_host.instances.errors import (
     InstanceConflict,
     InstanceNotFound,
@@ -54,6 +55,9 @@ from solar_host.platform.statefiles import private_dir
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
 
+if TYPE_CHECKING:
+    from solar_host.estimates.capacity import CapacityGate
+
 log = logging.getLogger(__name__)
 S = InstanceStatus
 DEFAULT_ROLES = ["inference"]
@@ -80,9 +84,26 @@ class InstanceManager:
         self.roles = list(DEFAULT_ROLES)
         self.ports = PortAllocator(settings.start_port, self._held_ports)
         self.probe_pacer = ProbePacer()  # readiness probes of every starting backend
-        self.inotify: InotifyHub | None = None
         self.manifest_lookup: Callable[[str], Path | None] | None = None
-        self.capacity: Any = None  # estimates.capacity.CapacityGate, set by build_host
+        # What every supervisor may use of the host (never the manager itself).
+        self.ctx = SupervisorContext(
+            settings=settings,
+            bus=bus,
+            backends=backends,
+            ports=self.ports,
+            idle_logs=self.idle_logs,
+            probe_pacer=self.probe_pacer,
+            api_key=api_key,
+            facts=self.facts,
+            marker=self.marker,
+            key_hash=self.key_hash,
+            changed=self.changed,
+            persist=self.persist,
+            persist_or_raise=self.persist_or_raise,
+            persist_soon=self.persist_soon,
+            prune_logs_soon=self.prune_logs_soon,
+            backend_redactor=self.backend_redactor,
+        )
         self._facts: HostFacts | None = None
         self._list_cache: bytes | None = None
         self._journaled: dict[str, str] = {}  # instance id -> the status last logged (_journal)
@@ -98,6 +119,19 @@ class InstanceManager:
         # This state directory's id (ownership.load_host_id): part of every backend's marker.
         self.host_id = ""
         self._loaded: LoadResult | None = None
+
+    @property
+    def capacity(self) -> CapacityGate | None:
+        """The capacity gate (set by build_host); the supervisors read it from their context."""
+        return self.ctx.capacity
+
+    @capacity.setter
+    def capacity(self, gate: CapacityGate | None) -> None:
+        self.ctx.capacity = gate
+
+    @property
+    def inotify(self) -> InotifyHub | None:
+        return self.ctx.inotify
 
     def marker(self, instance_id: str) -> str:
         return ownership.marker(self.host_id, instance_id)
@@ -130,7 +164,7 @@ class InstanceManager:
             self.host_id = await asyncio.to_thread(self._load_host_id, result)
         private_dir(self.settings.log_dir, 0o750)
         self.settings.models_dir.mkdir(parents=True, exist_ok=True)
-        self.inotify = InotifyHub()
+        self.ctx.inotify = InotifyHub()
         # Off the start-up path (it looks for executables and Python packages).
         self._facts_task = asyncio.create_task(asyncio.to_thread(self.log_backends))
         if result.legacy:
@@ -142,7 +176,7 @@ class InstanceManager:
         if result.roles:
             self.roles = result.roles
         for stored in result.records:
-            self.supervisors[stored.instance.id] = Supervisor(self, stored)
+            self.supervisors[stored.instance.id] = Supervisor(self.ctx, stored)
         to_start = await self._recover()
         self._boot_task = asyncio.create_task(self._boot(to_start), name="instances-boot")
         self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
@@ -601,7 +635,7 @@ class InstanceManager:
             intent_id=intent_id,
             **derived,
         )
-        sup = Supervisor(self, StoredInstance(instance=inst))
+        sup = Supervisor(self.ctx, StoredInstance(instance=inst))
         self.supervisors[inst.id] = sup
         # Published before the write, so the control link's instances_update is on its way
         # while config.json is written (control expects it before this call answers).

@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start, hold_adopted
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import confinement, ownership, preflight
+from solar_host.instances import confinement, health, ownership, preflight
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -35,8 +33,10 @@ from solar_host.instances.errors import (
     NotPersisted,
     StartFailed,
 )
-from solar_host.instances.httpcheck import answer_status, http_get, is_healthy, probe_address
+from solar_host.instances.health import AttemptFailed
+from solar_host.instances.httpcheck import is_healthy, probe_address
 from solar_host.instances.logs import LogFollower, LogRing, count_lines, new_log_path, tail_lines
+from solar_host.instances.restarts import CrashLoop, RestartPolicy
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import ProcessRecord, StoredInstance
 from solar_host.instances.telemetry import Telemetry
@@ -45,28 +45,15 @@ from solar_host.model_store.roots import check_config as check_model_roots
 from solar_host.platform.logging_setup import Redactor, instance_id_var
 
 if TYPE_CHECKING:
-    from solar_host.instances.manager import InstanceManager
+    from solar_host.instances.context import SupervisorContext
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
 
 T = TypeVar("T")
-LISTENER_CHECK_S = 0.05  # between checks that the ready port is the backend's own
 # How long a backend that was running when the host went away has, once re-adopted, to show
 # its listening socket again before it is handled as a crash (it is not loading: it was ready).
 ADOPTED_RELISTEN_S = 10.0
-METRICS_POLL_S = 2.0
-# A backend silent on its health endpoint but using more than this share of one CPU is working
-# (requests queued ahead of the probe), not stuck: a deadlocked or stopped one uses next to none.
-BUSY_CPU_SHARE = 0.05
-
-
-class AttemptFailed(Exception):
-    def __init__(self, reason: str, exit_code: int | None = None, retryable: bool = True):
-        self.reason = reason
-        self.exit_code = exit_code
-        self.retryable = retryable
-        super().__init__(reason)
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) -> T:
@@ -119,13 +106,13 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
 
 
 class Supervisor:
-    def __init__(self, manager: InstanceManager, stored: StoredInstance):
-        self.m = manager
+    def __init__(self, ctx: SupervisorContext, stored: StoredInstance):
+        self.ctx = ctx
         self.stored = stored
         self.id = stored.instance.id
-        settings = manager.settings
+        settings = ctx.settings
         self.ring = LogRing(settings.log_buffer_size)
-        self.telemetry = Telemetry(self.id, manager.bus, settings.log_buffer_size)
+        self.telemetry = Telemetry(self.id, ctx.bus, settings.log_buffer_size)
         self.proc: procs.BackendProcess | None = None
         self.follower: LogFollower | None = None
         self.lock = asyncio.Lock()
@@ -136,10 +123,9 @@ class Supervisor:
         self.liveness_task: asyncio.Task[None] | None = None
         # Why the host ended a running backend itself (it stopped answering): the crash's reason.
         self._ended_why: str | None = None
-        self.crashes: deque[float] = deque()
+        self.crashes = CrashLoop(RestartPolicy.of(ctx.settings))
         # The failure a scheduled restart follows, without the "restarting in" note.
         self._crash_reason: str | None = None
-        self.last_exit_code: int | None = None
         self.counters = {"starts": 0, "start_failures": 0, "restarts": 0, "crashes": 0}
         self._ready: asyncio.Event | None = None
         self._backend: Backend | None = None
@@ -163,7 +149,7 @@ class Supervisor:
         return self.stored.instance.status
 
     def backend(self) -> Backend:
-        return self.m.backends.for_type(self.instance.config.backend_type)
+        return self.ctx.backends.for_type(self.instance.config.backend_type)
 
     # --- state -----------------------------------------------------------------------------------
 
@@ -174,7 +160,7 @@ class Supervisor:
         inst.status = new
         for k, v in fields.items():
             setattr(inst, k, v)
-        self.m.changed(self.id, new.value, reason)
+        self.ctx.changed(self.id, new.value, reason)
 
     # --- start -----------------------------------------------------------------------------------
 
@@ -260,7 +246,7 @@ class Supervisor:
                     await self._record_intent(True)
                 if await self._stop_locked(forget_intent=False):
                     self._after_stop_hook()
-                    self.m.prune_logs_soon()
+                    self.ctx.prune_logs_soon()
                 await self._begin_start(undo_intent=recorded, restart_op=True)
                 task = self.start_task
                 assert task is not None
@@ -294,12 +280,12 @@ class Supervisor:
         except Exception:
             if undo_intent:
                 self.stored.want_running = False
-                await self.m.persist()
+                await self.ctx.persist()
             if not restart:
                 await self._nothing_due()
             raise
         token = instance_id_var.set(self.id)
-        settings = self.m.settings
+        settings = self.ctx.settings
         if deadline is None:
             deadline = time.monotonic() + settings.start_deadline_s
         if attempts is None:
@@ -321,11 +307,7 @@ class Supervisor:
                     )
                     # What failed now often clears in a moment (a port or GPU memory that the
                     # crashed process still held): pause before the next attempt, doubling.
-                    pause = min(
-                        settings.restart_backoff_s * 2**attempt,
-                        settings.restart_backoff_max_s,
-                        max(deadline - time.monotonic(), 0.0),
-                    )
+                    pause = self.crashes.policy.attempt_pause(attempt, deadline - time.monotonic())
                     again = err.retryable and attempt + 1 < attempts and deadline > time.monotonic()
                     # What comes next is said with the failure ("failed" alone reads as final).
                     due = f"; next attempt in {pause:.1f}s ({attempt + 2} of {attempts})"
@@ -343,7 +325,7 @@ class Supervisor:
                         # starts it at boot instead of leaving it failed; after the last
                         # attempt, nothing is due (a crash restart's: see _restart_after).
                         self.stored.restart_due = again
-                    await self.m.persist()
+                    await self.ctx.persist()
                     if not err.retryable:
                         break
                     if again and pause > 0:
@@ -352,9 +334,9 @@ class Supervisor:
                 if self.stored.restart_due:
                     # It serves: nothing is due. Not awaited, as the ready state's own save.
                     self.stored.restart_due = False
-                    self.m.persist_soon()
+                    self.ctx.persist_soon()
                 self.counters["starts"] += 1
-                self.m.bus.publish(InstanceStartFinished(self.id, True, restart))
+                self.ctx.bus.publish(InstanceStartFinished(self.id, True, restart))
                 return self.reached()
             reason = (
                 last.reason
@@ -363,8 +345,8 @@ class Supervisor:
             )
             if self.status != S.FAILED:
                 self.set_status(S.FAILED, reason="start_failed", error_message=reason)
-                await self.m.persist()
-            self.m.bus.publish(InstanceStartFinished(self.id, False, restart))
+                await self.ctx.persist()
+            self.ctx.bus.publish(InstanceStartFinished(self.id, False, restart))
             self.counters["start_failures"] += 1
             raise StartFailed(
                 self.id,
@@ -389,43 +371,45 @@ class Supervisor:
         """No restart or retry is due any more (see StoredInstance.restart_due): on disk."""
         if self.stored.restart_due:
             self.stored.restart_due = False
-            await self.m.persist()
+            await self.ctx.persist()
 
     def _tail(self) -> list[str]:
-        n = self.m.settings.start_failure_log_tail_lines
+        n = self.ctx.settings.start_failure_log_tail_lines
         return [e.line for e in self.ring.tail(n)]
 
     def _bearer(self) -> str:
-        return self.m.api_key()
+        return self.ctx.api_key()
 
     async def _attempt(self, attempt: int, timeout: float) -> None:
-        settings = self.m.settings
-        self.m.idle_logs.busy(self.id)
+        settings = self.ctx.settings
+        self.ctx.idle_logs.busy(self.id)
         inst = self.instance
         config = inst.config
         backend = self.backend()
         # Port: an explicit one is honoured when free (else a clear conflict, not retried).
         if config.port:
             holder = await _off_loop(
-                self.m.ports.holder,
+                self.ctx.ports.holder,
                 config.port,
                 config.host,
-                undo=lambda h: h is None and self.m.ports.release(config.port),
+                undo=lambda h: h is None and self.ctx.ports.release(config.port),
             )
             if holder is not None:
                 raise InstanceConflict(f"Port {config.port} is already in use by {holder}")
             port = config.port
         else:
-            port = await _off_loop(self.m.ports.allocate, config.host, undo=self.m.ports.release)
+            port = await _off_loop(
+                self.ctx.ports.allocate, config.host, undo=self.ctx.ports.release
+            )
         ctx = LaunchContext(
             instance_id=self.id,
             port=port,
-            host_api_key=self.m.api_key(),
+            host_api_key=self.ctx.api_key(),
             models_dir=settings.models_dir,
             llama_server_bin=settings.llama_server_bin,
             sglang_venv_path=settings.sglang_venv_path,
             sglang_prompt_cache_dir=settings.sglang_prompt_cache_dir,
-            gpu_type=self.m.facts().gpu_type,
+            gpu_type=self.ctx.facts().gpu_type,
             private_dir=settings.config_file.parent / "backend-keys",
         )
         self.set_status(
@@ -447,13 +431,13 @@ class Supervisor:
             # roots check judged them), never the host's working directory.
             opened = config.model_copy()
             anchor_relative(opened, settings.models_dir)
-            preflight.check(backend, opened, self.m.facts())  # not retried, nothing spawned
+            preflight.check(backend, opened, self.ctx.facts())  # not retried, nothing spawned
             for w in backend.before_start(config, ctx):
                 log.warning("%s: %s", config.alias, w)
             spec = backend.launch(config, ctx)
             apply_placement(self, spec)
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
-            self.m.ports.release(port)
+            self.ctx.ports.release(port)
             self._after_stop_hook()
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
@@ -462,15 +446,15 @@ class Supervisor:
             spec, passthrough=parse_passthrough(settings.backend_env_passthrough)
         )
         # Ours, provably: exec and fork keep it; ownership.py reads it back from /proc.
-        env[ownership.MARKER_VAR] = self.m.marker(self.id)
+        env[ownership.MARKER_VAR] = self.ctx.marker(self.id)
         env[ownership.PORT_VAR] = str(port)
-        key_hash = self.m.key_hash(ctx.host_api_key)
+        key_hash = self.ctx.key_hash(ctx.host_api_key)
         env[ownership.KEY_VAR] = key_hash
         spawn_id = ownership.new_spawn_id()
         env[ownership.SPAWN_VAR] = spawn_id
 
         if self.deleted:
-            self.m.ports.release(port)
+            self.ctx.ports.release(port)
             raise AttemptFailed("the instance was deleted", None, retryable=False)
         log_path = new_log_path(settings.log_dir, alias_safe(config.alias), self.id)
         self.telemetry.reset(backend.new_parser(config))
@@ -512,10 +496,10 @@ class Supervisor:
 
             proc = await _off_loop(spawn, undo=_kill_unrecorded)
         except confinement.ConfinementUnavailable as err:
-            self.m.ports.release(port)
+            self.ctx.ports.release(port)
             raise AttemptFailed(str(err), None, retryable=False) from None
         except OSError as err:
-            self.m.ports.release(port)
+            self.ctx.ports.release(port)
             raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
         self.proc = proc
         proc.port = port
@@ -540,7 +524,7 @@ class Supervisor:
             # The process record is on disk before the pid is shown or awaited: a host killed
             # from here on finds the backend at boot by its record (the backend loads its model
             # meanwhile, so this costs no time). Killed before, it finds it by its marker.
-            await self.m.persist()
+            await self.ctx.persist()
             self.set_status(S.STARTING, reason="spawned", pid=proc.pid)
             await self._wait_ready(proc, backend, config.host, port, timeout)
         except asyncio.CancelledError:
@@ -563,8 +547,8 @@ class Supervisor:
         )
         # Not awaited: the process record was saved at spawn, and a host that dies before this
         # write re-adopts the backend anyway. Answering "running" should not wait on fsync.
-        self.m.persist_soon()
-        self.m.bus.publish(
+        self.ctx.persist_soon()
+        self.ctx.bus.publish(
             InstanceStartTimed(
                 self.id,
                 config.backend_type,
@@ -574,92 +558,21 @@ class Supervisor:
         )
         self._watch(proc)
 
-    async def _wait_ready(
-        self, proc: procs.BackendProcess, backend: Backend, host: str, port: int, timeout: float
-    ) -> None:
-        assert self._ready is not None
-        ready = self._ready
-        deadline = time.monotonic() + timeout
-        waiters: list[asyncio.Task[Any]] = [
-            asyncio.create_task(ready.wait()),
-            asyncio.create_task(procs.wait_exit(proc)),
-        ]
-        if backend.health_path:
-            waiters.append(asyncio.create_task(self._poll_health(host, port, backend.health_path)))
-        try:
-            done, _ = await asyncio.wait(
-                waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for w in waiters:
-                w.cancel()
-            await asyncio.gather(*waiters, return_exceptions=True)
-        ready_seen = waiters[0] in done or (len(waiters) > 2 and waiters[2] in done)
-        if ready_seen and proc.alive():
-            await self._prove_listener(proc, port, deadline)
-            return
-        if not proc.alive() or waiters[1] in done:
-            await procs.wait_exit(proc, 1.0)
-            code = proc.exit_code()
-            self.last_exit_code = code
-            if self.follower:
-                await self.follower.read_available()
-            raise AttemptFailed(
-                f"Process exited with code {code}" if code is not None else "Process exited", code
-            )
-        raise AttemptFailed(f"Backend did not report readiness within {timeout:.0f}s", None)
-
-    async def _prove_listener(self, proc: procs.BackendProcess, port: int, deadline: float) -> None:
-        """Ready only when the socket listening on `port` is the backend's own: a 200 from
-        another program on the port (one that bound it first) proves nothing."""
-        while True:
-            if await asyncio.to_thread(ownership.owns_port, proc.identity, port, proc.marker):
-                # Its sockets from now on: whoever holds one later is of its tree (process.py).
-                await asyncio.to_thread(procs.note_listener, proc, port)
-                return
-            if not proc.alive():
-                code = proc.exit_code()
-                self.last_exit_code = code
-                raise AttemptFailed(
-                    f"Process exited with code {code}" if code is not None else "Process exited",
-                    code,
-                )
-            if time.monotonic() >= deadline:
-                holders = await asyncio.to_thread(ownership.port_holders, port)
-                who = ", ".join(ownership.describe(p) for p in holders) or "nobody"
-                raise AttemptFailed(
-                    f"Port {port} is not the backend's: it is listened on by {who}", None
-                )
-            await asyncio.sleep(LISTENER_CHECK_S)
-
-    async def _poll_health(self, host: str, port: int, path: str) -> None:
-        addr = probe_address(host)
-        bearer = self._bearer()
-        pacer = self.m.probe_pacer
-        t0 = time.monotonic()
-        async with pacer.probing():
-            while True:
-                if await is_healthy(addr, port, path, bearer, timeout=1.0):
-                    return
-                await asyncio.sleep(pacer.interval(time.monotonic() - t0))
-
     async def _teardown_attempt(self, proc: procs.BackendProcess, port: int) -> None:
-        code = await procs.terminate(proc, min(self.m.settings.stop_grace_s, 5.0))
-        if code is not None:
-            self.last_exit_code = code
+        await procs.terminate(proc, min(self.ctx.settings.stop_grace_s, 5.0))
         await self._stop_follower()
         self.proc = None
         self.stored.process = None
-        self.m.ports.release(port)
+        self.ctx.ports.release(port)
         self._after_stop_hook()  # e.g. a failed SGLang attempt leaves no prompt cache behind
 
     # --- logs ------------------------------------------------------------------------------------
 
     def _redactor(self) -> Redactor:
-        return self.m.backend_redactor(self.instance.config.api_key)
+        return self.ctx.backend_redactor(self.instance.config.api_key)
 
     def _follow(self, path: Path, offset: int, ready_check: Backend | None) -> None:
-        bus = self.m.bus
+        bus = self.ctx.bus
         ring = self.ring
         telemetry = self.telemetry
         iid = self.id
@@ -676,11 +589,11 @@ class Supervisor:
                 if any(ready_check.is_ready_line(line) for line in lines):
                     ready.set()
 
-        settings = self.m.settings
+        settings = self.ctx.settings
         self.follower = LogFollower(
             path,
             on_lines,
-            self.m.inotify,
+            self.ctx.inotify,
             offset=offset,
             max_line_bytes=settings.log_line_max_bytes,
             max_file_bytes=settings.log_file_max_bytes,
@@ -694,7 +607,7 @@ class Supervisor:
         rec = self.stored.process
         if rec is not None:
             rec.seq_base += lines_moved
-            self.m.persist_soon()
+            self.ctx.persist_soon()
 
     async def _stop_follower(self) -> None:
         if self.follower is not None:
@@ -703,92 +616,70 @@ class Supervisor:
 
     # --- running ---------------------------------------------------------------------------------
 
+    def _wait_ready(
+        self, proc: procs.BackendProcess, backend: Backend, host: str, port: int, timeout: float
+    ) -> Awaitable[None]:
+        assert self._ready is not None
+        return health.wait_ready(
+            proc,
+            backend,
+            probe_address(host),
+            port,
+            timeout,
+            ready=self._ready,
+            pacer=self.ctx.probe_pacer,
+            bearer=self._bearer(),
+            follower=self.follower,
+        )
+
+    def _port(self) -> int | None:
+        return self.instance.port
+
     def _watch(self, proc: procs.BackendProcess) -> None:
+        """Watch a backend that serves: its exit, its liveness, its /metrics."""
         self._ended_why = None
         self.watch_task = asyncio.create_task(self._watch_exit(proc), name=f"watch:{self.id}")
         backend = self.backend()
+        address = probe_address(self.instance.config.host)
         if backend.metrics_path:
             self.metrics_task = asyncio.create_task(
-                self._poll_metrics(backend.metrics_path), name=f"metrics:{self.id}"
+                health.poll_metrics(
+                    backend,
+                    self.instance.config.backend_type,
+                    backend.metrics_path,
+                    address=address,
+                    port_of=self._port,
+                    bearer=self._bearer,
+                    telemetry=self.telemetry,
+                ),
+                name=f"metrics:{self.id}",
             )
-        if backend.health_path and self.m.settings.health_check_interval_s > 0:
+        if backend.health_path and self.ctx.settings.health_check_interval_s > 0:
+
+            def current() -> bool:
+                return self.proc is proc and self.status == S.RUNNING
+
+            def end(why: str) -> None:
+                self._ended_why = why  # the crash's reason (_crashed)
+
             self.liveness_task = asyncio.create_task(
-                self._watch_liveness(proc, backend.health_path), name=f"liveness:{self.id}"
+                health.watch_liveness(
+                    proc,
+                    backend.health_path,
+                    settings=self.ctx.settings,
+                    address=address,
+                    port_of=self._port,
+                    bearer=self._bearer,
+                    current=current,
+                    end=end,
+                    instance_id=self.id,
+                ),
+                name=f"liveness:{self.id}",
             )
 
     def _cancel_watchers(self) -> None:
         self._cancel(self.metrics_task)
         self._cancel(self.liveness_task)
-
-    async def _watch_liveness(self, proc: procs.BackendProcess, path: str) -> None:
-        """A running backend that stops answering its health endpoint for UNHEALTHY_AFTER_S
-        and uses (almost) no CPU meanwhile (a deadlock, a stopped process) is ended and
-        handled as a crash: it restarts under the crash policy, or is left failed for control.
-        Before, it stayed `running` for ever and control kept routing requests to it.
-
-        One that works while it does not answer (a llama-server whose HTTP threads all wait
-        on queued requests answers /health only when one frees up) is left running, and said
-        so: killing it would drop every request in flight. A slow answer within the probe's
-        timeout is an answer, and so is one that is not 200 (a 503 while busy, a 401: it runs);
-        one failed probe is only logged."""
-        settings = self.m.settings
-        interval = settings.health_check_interval_s
-        failing_since: float | None = None
-        cpu_then = 0.0
-        while True:
-            await asyncio.sleep(interval)
-            if self.proc is not proc or self.status != S.RUNNING or self.instance.port is None:
-                return
-            # Any HTTP answer is an answer: a 503 while busy, a 401 for a key the backend no
-            # longer shares, a 500, all come from a backend that runs. Silence is not one.
-            status = await answer_status(
-                probe_address(self.instance.config.host),
-                self.instance.port,
-                path,
-                self._bearer(),
-                min(max(interval, 1.0), 10.0),
-            )
-            ok = status is not None
-            now = time.monotonic()
-            if ok:
-                if failing_since is not None:
-                    log.info("backend of %s answers %s again", self.id, path)
-                failing_since = None
-                continue
-            if failing_since is None:
-                failing_since = now
-                cpu_then = await asyncio.to_thread(procs.cpu_seconds, proc)
-                log.warning("backend pid %s of %s did not answer %s", proc.pid, self.id, path)
-                continue
-            silent = now - failing_since
-            if self.proc is not proc or self.status != S.RUNNING:
-                return  # stopped or replaced during the probe: not this watch's to end
-            if silent < settings.unhealthy_after_s:
-                continue
-            cpu_now = await asyncio.to_thread(procs.cpu_seconds, proc)
-            if cpu_now - cpu_then > BUSY_CPU_SHARE * silent:
-                log.warning(
-                    "backend pid %s of %s has not answered %s for %.0fs but used %.1fs of CPU "
-                    "meanwhile: busy, left running",
-                    proc.pid,
-                    self.id,
-                    path,
-                    silent,
-                    cpu_now - cpu_then,
-                )
-                failing_since, cpu_then = now, cpu_now  # judged again over the next window
-                continue
-            if self.proc is not proc or self.status != S.RUNNING:
-                return
-            self._ended_why = (
-                f"Backend stopped answering {path} for {silent:.0f}s (UNHEALTHY_AFTER_S="
-                f"{settings.unhealthy_after_s:g}); the host ended it"
-            )
-            log.error("backend pid %s of %s: %s", proc.pid, self.id, self._ended_why)
-            # SIGKILL: a hung backend seldom honours SIGTERM, and SIGKILL ends a stopped one.
-            # Its exit is then a crash like any other (_watch_exit), workers included.
-            await asyncio.to_thread(procs.signal_tree, proc, signal.SIGKILL)
-            return
 
     async def _watch_exit(self, proc: procs.BackendProcess) -> None:
         await procs.wait_exit(proc)
@@ -803,7 +694,6 @@ class Supervisor:
         if self.proc is not proc or self.status != S.RUNNING:
             return  # an intentional stop owns this exit
         code = proc.exit_code()
-        self.last_exit_code = code
         self.counters["crashes"] += 1
         # Workers that outlived it (in its group, or setsid'd) hold GPU memory and the port.
         await procs.end_tree_leftovers(proc)
@@ -811,7 +701,7 @@ class Supervisor:
         await self._stop_follower()
         self.proc = None
         self.stored.process = None
-        self.m.ports.release(self.instance.port)
+        self.ctx.ports.release(self.instance.port)
         reason = (
             f"Process exited unexpectedly (exit code: {code})"
             if code is not None
@@ -832,17 +722,17 @@ class Supervisor:
         self.set_status(
             S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
         )
-        self.m.bus.publish(InstanceCrashed(self.id, code))
+        self.ctx.bus.publish(InstanceCrashed(self.id, code))
         self._after_stop_hook()
         # Decided before the save, so the failure and whether a restart is due reach the disk
         # together: a host killed in the backoff starts it at boot.
         self._schedule_restart()
-        await self.m.persist()
+        await self.ctx.persist()
 
     def _schedule_restart(self) -> None:
         """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops.
         Records whether a restart is due (StoredInstance.restart_due); the caller saves it."""
-        settings = self.m.settings
+        settings = self.ctx.settings
         self.stored.restart_due = False
         if self.instance.managed_by == "intent" or not self.stored.want_running or self.deleted:
             log.info(
@@ -851,20 +741,16 @@ class Supervisor:
                 "control's" if self.instance.managed_by == "intent" else "not wanted",
             )
             return
-        now = time.monotonic()
-        self.crashes.append(now)
-        while self.crashes and now - self.crashes[0] > settings.restart_window_s:
-            self.crashes.popleft()
-        n = len(self.crashes)
-        if n >= settings.restart_max_in_window:
+        verdict = self.crashes.crashed(time.monotonic())
+        n, delay = verdict.crashes, verdict.delay_s
+        if delay is None:
             msg = (
                 f"{self.instance.error_message}; crashed {n} times within "
                 f"{settings.restart_window_s:.0f}s, not restarting"
             )
             self.stored.instance.error_message = msg
-            self.m.changed(self.id, self.status.value, "crash_loop")
+            self.ctx.changed(self.id, self.status.value, "crash_loop")
             return
-        delay = min(settings.restart_backoff_s * (2 ** (n - 1)), settings.restart_backoff_max_s)
         log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
         # Said where the operator and control look: "failed" alone reads as given up on.
         self._crash_reason = self.instance.error_message
@@ -873,7 +759,7 @@ class Supervisor:
             f"{settings.restart_window_s:.0f}s; the host gives up at "
             f"{settings.restart_max_in_window})"
         )
-        self.m.changed(self.id, self.status.value, "restart_scheduled")
+        self.ctx.changed(self.id, self.status.value, "restart_scheduled")
         self.stored.restart_due = True
         self.restart_task = asyncio.create_task(
             self._restart_after(delay), name=f"restart:{self.id}"
@@ -898,7 +784,7 @@ class Supervisor:
             # try comes after the next backoff, until RESTART_MAX_IN_WINDOW, rather than never.
             if err.retryable:
                 self._schedule_restart()
-                await self.m.persist()
+                await self.ctx.persist()
             else:
                 await self._nothing_due()
         except InstanceConflict as err:
@@ -908,35 +794,10 @@ class Supervisor:
             self.stored.instance.error_message = (
                 f"{self._crash_reason}; the restart was refused: {err.detail}"
             )
-            self.m.changed(self.id, self.status.value, "restart_refused")
+            self.ctx.changed(self.id, self.status.value, "restart_refused")
             await self._nothing_due()
         except asyncio.CancelledError:
             pass
-
-    async def _poll_metrics(self, path: str) -> None:
-        from solar_host.backends.prometheus import parse_prometheus_text
-
-        backend = self.backend()
-        backend_type = self.instance.config.backend_type
-        while True:
-            await asyncio.sleep(METRICS_POLL_S)
-            inst = self.instance
-            if inst.port is None:
-                continue
-            try:
-                status, body = await http_get(
-                    probe_address(inst.config.host),
-                    inst.port,
-                    path,
-                    bearer=self._bearer(),
-                    timeout=3.0,
-                )
-            except (OSError, TimeoutError, asyncio.IncompleteReadError):
-                continue
-            if status == 200:
-                metrics = parse_prometheus_text(body.decode("utf-8", "replace"))
-                snapshot = backend.usage_snapshot(metrics)
-                self.telemetry.apply_metrics(metrics, snapshot, backend_type)
 
     # --- stop ------------------------------------------------------------------------------------
 
@@ -950,7 +811,7 @@ class Supervisor:
         it was, so nothing is started or stopped that the next boot would undo."""
         self.stored.want_running = wanted
         try:
-            await self.m.persist_or_raise()
+            await self.ctx.persist_or_raise()
         except NotPersisted:
             self.stored.want_running = not wanted
             raise
@@ -964,7 +825,7 @@ class Supervisor:
             stopped = await self._stop_locked(forget_intent=forget_intent)
         if stopped:
             self._after_stop_hook()
-            self.m.prune_logs_soon()
+            self.ctx.prune_logs_soon()
         return self.instance
 
     async def _stop_locked(self, *, forget_intent: bool) -> bool:
@@ -991,7 +852,7 @@ class Supervisor:
         if forget_intent:
             self.stored.restart_due = False  # the operator's stop ends what was due
         if self.status == S.STOPPED:
-            await self.m.persist()  # the intent, if it changed (same bytes: no write)
+            await self.ctx.persist()  # the intent, if it changed (same bytes: no write)
             return False
         if self.status == S.FAILED and not forget_intent and not restart_pending:
             # A host shutdown keeps a failure as it is: the next boot starts what was
@@ -1010,19 +871,18 @@ class Supervisor:
             # Stopped (and, at a host shutdown, still wanted): boot starts it as such.
             self.stored.restart_due = False
             self._after_stop_hook()
-            await self.m.persist()
+            await self.ctx.persist()
             return False
         proc = self.proc
         self.set_status(S.STOPPING, reason="stopping")
         # What is wanted is on disk before any signal: a host that dies mid-stop finishes
         # the stop at boot (and starts it again only when it is still wanted).
-        await self.m.persist()
+        await self.ctx.persist()
         self._cancel_watchers()
         self._cancel(self.watch_task)
         left: list[str] = []
         if proc is not None:
-            code = await procs.terminate(proc, self.m.settings.stop_grace_s)
-            self.last_exit_code = code
+            await procs.terminate(proc, self.ctx.settings.stop_grace_s)
             left = proc.left_behind
             if proc.killed_after_s is not None:
                 # Said where the operator looks: a backend that needs SIGKILL loses what it
@@ -1048,10 +908,10 @@ class Supervisor:
         await self._stop_follower()
 
     def _after_stop_hook(self) -> None:
-        self.m.idle_logs.idle(self.id, self.ring)
+        self.ctx.idle_logs.idle(self.id, self.ring)
         try:
             self.backend().after_stop(
-                self.instance.config, self.m.settings.sglang_prompt_cache_dir, self.id
+                self.instance.config, self.ctx.settings.sglang_prompt_cache_dir, self.id
             )
         except Exception:
             log.exception("after-stop hook of %s failed", self.id)
@@ -1064,7 +924,7 @@ class Supervisor:
         rec = self.stored.process
         if rec is None:
             return None, "no process recorded"
-        expected = self.m.marker(self.id)
+        expected = self.ctx.marker(self.id)
         if rec.boot_id is not None and rec.start_ticks is not None:
             ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
             if rec.boot_id != ownership.boot_id():
@@ -1141,7 +1001,7 @@ class Supervisor:
         among several), its log file (its standard output, when that lies in LOG_DIR), its
         start time, and the fingerprint of the key and the spawn id it was given
         (ownership.KEY_VAR and SPAWN_VAR; unknown for a backend of an older host)."""
-        marker = self.m.marker(self.id)
+        marker = self.ctx.marker(self.id)
         ident = ownership.backend_root(carrying)
         if ident is None:
             return None
@@ -1164,7 +1024,7 @@ class Supervisor:
             )
             return None
         log_file = ownership.stdout_path(ident.pid)
-        log_dir = Path(self.m.settings.log_dir).resolve()
+        log_dir = Path(self.ctx.settings.log_dir).resolve()
         if log_file is not None and log_dir not in log_file.resolve().parents:
             log_file = None
         try:
@@ -1236,12 +1096,12 @@ class Supervisor:
             self.stored.process = None
             return "gone"
         self.proc = proc
-        self.m.ports.claim_adopted(rec.port)
+        self.ctx.ports.claim_adopted(rec.port)
         if inst.status in (S.STOPPING, S.STOPPED, S.FAILED) or not self.stored.want_running:
             # The operator's last word was a stop (or a restart, whose stop comes first).
             inst.status = S.STOPPING
             inst.pid, inst.port = proc.pid, rec.port
-            self.m.changed(self.id, S.STOPPING.value, "finishing stop")
+            self.ctx.changed(self.id, S.STOPPING.value, "finishing stop")
             # Its own task, not a start: a start asked for meanwhile waits for it, then starts.
             self.stop_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
             return "stopping"
@@ -1334,7 +1194,7 @@ class Supervisor:
         if log_path is not None:
             # Continue the log where it is: seq = the attempt's base + lines already in the file.
             lines, size = await asyncio.to_thread(count_lines, log_path)
-            tail = await asyncio.to_thread(tail_lines, log_path, self.m.settings.log_buffer_size)
+            tail = await asyncio.to_thread(tail_lines, log_path, self.ctx.settings.log_buffer_size)
             self.ring.rebase(rec.seq_base + lines - len(tail))
             redact = self._redactor()
             self.ring.append_many([redact(line) for line in tail], datetime.now(UTC).isoformat())
@@ -1360,7 +1220,7 @@ class Supervisor:
     async def _await_adopted_ready(
         self, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
     ) -> Any:
-        settings = self.m.settings
+        settings = self.ctx.settings
         # The start that spawned it had START_DEADLINE_S in all, counted from its spawn: this
         # wait and the retries after it share what is left (monotonic from here on).
         age = await asyncio.to_thread(backend_age_s, proc, rec)
@@ -1384,7 +1244,7 @@ class Supervisor:
             await self._stop_follower()
             self.proc = None
             self.stored.process = None
-            self.m.ports.release(rec.port)
+            self.ctx.ports.release(rec.port)
             if was_ready:
                 await self._adopted_crashed(proc, rec, err)
                 raise StartFailed(
@@ -1408,7 +1268,7 @@ class Supervisor:
                 started_at=None,
             )
             self.stored.restart_due = retry  # on disk with the failure: a kill now loses no retry
-            await self.m.persist()
+            await self.ctx.persist()
             self._after_stop_hook()
             if retry:
                 log.info(
@@ -1425,7 +1285,7 @@ class Supervisor:
             self.follower.hot_polling = True
         self.set_status(S.RUNNING, reason="ready", started_at=datetime.now(UTC), error_message=None)
         self.stored.restart_due = False  # the start it was in has ended
-        self.m.persist_soon()
+        self.ctx.persist_soon()
         self._watch(proc)
         return self.instance
 
@@ -1448,12 +1308,12 @@ class Supervisor:
         self.proc = None
         self.stored.process = None
         self.stored.restart_due = False  # stopped: boot starts it if it is still wanted
-        self.m.ports.release(self.instance.port)
+        self.ctx.ports.release(self.instance.port)
         message = {"error_message": "stopped, but " + "; ".join(left_behind)} if left_behind else {}
         self.set_status(
             S.STOPPED, reason="stopped", pid=None, port=None, started_at=None, **message
         )
-        await self.m.persist()
+        await self.ctx.persist()
 
     async def _finish_stop(self) -> None:
         """A stop the previous host process did not finish: finish it, then start again only
@@ -1465,7 +1325,7 @@ class Supervisor:
                 return
             proc = self.proc
             if proc is not None:
-                await procs.terminate(proc, self.m.settings.stop_grace_s)
+                await procs.terminate(proc, self.ctx.settings.stop_grace_s)
             await self._record_stopped()
             self._after_stop_hook()
             log.info("finished the stop of %s that was under way when the host stopped", self.id)
@@ -1491,8 +1351,8 @@ class Supervisor:
         """Delete path: make sure no backend of this instance survives, workers included."""
         proc, _ = await asyncio.to_thread(self.recorded_process)
         if proc is not None:
-            await procs.terminate(proc, self.m.settings.stop_grace_s)
+            await procs.terminate(proc, self.ctx.settings.stop_grace_s)
         self.stored.process = None
-        strays = await asyncio.to_thread(ownership.carriers, self.m.marker(self.id))
+        strays = await asyncio.to_thread(ownership.carriers, self.ctx.marker(self.id))
         if strays:
-            await procs.end_processes(strays, min(self.m.settings.stop_grace_s, 5.0))
+            await procs.end_processes(strays, min(self.ctx.settings.stop_grace_s, 5.0))
