@@ -214,10 +214,7 @@ class InstanceManager:
             inst = sup.instance
             if inst.status in ACTIVE:
                 # Its backend is gone: record that, then start it again if it is wanted.
-                inst.status = S.STOPPED
-                inst.pid = None
-                inst.port = None
-                self.changed(sup.id, S.STOPPED.value, "boot")
+                sup.set_status(S.STOPPED, reason="boot", recovery=True, pid=None, port=None)
             # Not a failed one: a failure is left for its owner (the operator, or control for
             # an intent-managed instance); a shutdown records as stopped what it interrupted.
             # Except where the host still owed it a start (restart_due: a crash restart in its

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from solar_host.backends.base import Backend, LaunchContext, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start, hold_adopted
 from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import confinement, health, ownership, preflight
+from solar_host.instances import adoption, confinement, health, ownership, preflight
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -76,30 +75,6 @@ async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
     await procs.terminate(proc, 1.0)
 
 
-def backend_age_s(proc: procs.BackendProcess, rec: ProcessRecord) -> float:
-    """Seconds since an adopted backend was spawned: what its start has used of its deadline.
-
-    From the kernel, on the boot clock: uptime minus the process's start time in ticks. Neither
-    moves when the wall clock is stepped (NTP, an operator's `date`), so a backend spawned
-    seconds before such a step is not taken for one hours old and killed as past its deadline.
-    The live process's identity is the recorded one (or, for a record older than boot ids,
-    the same pid and command line): its ticks count from this boot. The record's spawned_at
-    (wall clock) only where the kernel cannot tell. Blocking (/proc reads)."""
-    ident = proc.identity
-    if ident.boot_id == ownership.boot_id():
-        try:
-            with open("/proc/uptime", "rb") as f:
-                uptime = float(f.read().split()[0])
-            return max(uptime - ident.start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-        except (OSError, ValueError, IndexError):
-            pass
-    if rec.spawned_at:
-        with contextlib.suppress(ValueError, TypeError):
-            spawned = datetime.fromisoformat(rec.spawned_at)
-            return max((datetime.now(UTC) - spawned).total_seconds(), 0.0)
-    return 0.0
-
-
 def _retrieved(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
@@ -153,10 +128,15 @@ class Supervisor:
 
     # --- state -----------------------------------------------------------------------------------
 
-    def set_status(self, new: InstanceStatus, *, reason: str = "", **fields: Any) -> None:
+    def set_status(
+        self, new: InstanceStatus, *, reason: str = "", recovery: bool = False, **fields: Any
+    ) -> None:
+        """The one place an instance's status changes: checked against the transition table
+        (`recovery`: an edge only boot recovery and adoption take, from what a previous host
+        process recorded), applied with `fields`, and published."""
         inst = self.stored.instance
         if new != inst.status:
-            check_transition(inst.status, new)
+            check_transition(inst.status, new, recovery=recovery)
         inst.status = new
         for k, v in fields.items():
             setattr(inst, k, v)
@@ -918,136 +898,6 @@ class Supervisor:
 
     # --- re-adoption -----------------------------------------------------------------------------
 
-    def recorded_process(self) -> tuple[procs.BackendProcess | None, str]:
-        """The recorded backend if it is still the same process and ours, else why not.
-        Blocking (/proc reads)."""
-        rec = self.stored.process
-        if rec is None:
-            return None, "no process recorded"
-        expected = self.ctx.marker(self.id)
-        if rec.boot_id is not None and rec.start_ticks is not None:
-            ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
-            if rec.boot_id != ownership.boot_id():
-                return None, "the machine rebooted since it was spawned"
-            if not ownership.is_same(ident):
-                return None, "it exited (or its pid now belongs to another process)"
-            if rec.marker is not None and rec.marker != expected:
-                return None, "it was spawned for another host directory"
-            # The identity is the proof: the kernel never gives that boot id, pid and start
-            # time to another process. The marker finds backends a record does not name; a
-            # recorded one that no longer shows it (its environment wiped by a process title,
-            # or an exec with an emptied environment) is still the process spawned, and ending
-            # it would load its model a second time. Only another marker is refused.
-            live = ownership.marker_of(rec.pid) if rec.marker is not None else None
-            if live is not None and live != rec.marker:
-                return None, "it carries another marker"
-            return procs.BackendProcess(ident, rec.marker, rec.create_time, rec.cmdline), ""
-        # A record from before boot ids and markers: the start time, and the command line it
-        # was spawned with, which is the best such a record can offer.
-        ident = ownership.identity_of(rec.pid)
-        if ident is None or (rec.start_ticks is not None and ident.start_ticks != rec.start_ticks):
-            return None, "it exited (or its pid now belongs to another process)"
-        try:
-            cmdline = ownership.cmdline_of(rec.pid)
-        except OSError:
-            return None, "it exited"
-        if cmdline != rec.cmdline:
-            return None, "its pid now runs another program"
-        marker = ownership.marker_of(rec.pid)
-        return procs.BackendProcess(ident, marker if marker == expected else None), ""
-
-    def _later_spawn(self, given: ownership.SpawnFacts) -> bool:
-        """Whether a marker carrier with these spawn facts was spawned after the recorded
-        process (or with no record at all). The oldest session leader with the marker may be
-        a worker outliving the recorded backend (setsid): it has the backend's port and spawn
-        id in its environment, but never listens; a different spawn id is a later spawn."""
-        rec = self.stored.process
-        if rec is None:
-            return True
-        return None not in (rec.spawn_id, given.spawn_id) and rec.spawn_id != given.spawn_id
-
-    def _port_as_spawned(self, proc: procs.BackendProcess, rec: ProcessRecord) -> ProcessRecord:
-        """The record with the API port the recorded backend was spawned with (PORT_VAR in its
-        environment), where the record says another: a damaged record must not make a
-        serving backend look like one still loading, to be killed at its deadline. Blocking."""
-        given = ownership.spawn_facts(proc.pid)
-        if given.port is None or given.port == rec.port:
-            return rec
-        if None not in (given.spawn_id, rec.spawn_id) and given.spawn_id != rec.spawn_id:
-            return rec  # not the spawn this record describes
-        log.warning(
-            "process record of %s says port %s, but its backend pid %s was spawned with port "
-            "%s: the record is corrected",
-            self.id,
-            rec.port,
-            proc.pid,
-            given.port,
-        )
-        rec = rec.model_copy(update={"port": given.port})
-        self.stored.process = rec
-        return rec
-
-    def unrecorded_process(
-        self, carrying: list[ownership.Identity], listening: dict[int, set[int]] | None
-    ) -> tuple[procs.BackendProcess, ProcessRecord] | None:
-        """A backend of this instance that runs without a (current) process record, and the
-        record rebuilt from /proc; None when there is none, or no single port tells which
-        socket is its API. `carrying`: the live processes with this instance's marker
-        (ownership.ours_running, read once for every adoption of a boot). Blocking.
-
-        It carries this instance's marker, so it is ours beyond doubt; what the record would
-        add is rebuilt: its API port (with no record, or a record of an earlier spawn,
-        ownership.PORT_VAR in its environment; else the one port it listens on, or the config's
-        among several), its log file (its standard output, when that lies in LOG_DIR), its
-        start time, and the fingerprint of the key and the spawn id it was given
-        (ownership.KEY_VAR and SPAWN_VAR; unknown for a backend of an older host)."""
-        marker = self.ctx.marker(self.id)
-        ident = ownership.backend_root(carrying)
-        if ident is None:
-            return None
-        given = ownership.spawn_facts(ident.pid)
-        if given.port is not None and self._later_spawn(given):
-            # The host died between this spawn and its record: the port the host handed it is
-            # its API, even before it listens (still loading).
-            ports = [given.port]
-        else:  # a descendant of the recorded backend, or a backend of an older host
-            ports = ownership.listening_ports(ident, listening)
-            wanted = getattr(self.instance.config, "port", None)
-            if wanted in ports:
-                ports = [wanted]
-        if len(ports) != 1:
-            log.warning(
-                "backend pid %s of %s carries its marker but listens on %s: not adopted",
-                ident.pid,
-                self.id,
-                ", ".join(map(str, ports)) or "no port yet",
-            )
-            return None
-        log_file = ownership.stdout_path(ident.pid)
-        log_dir = Path(self.ctx.settings.log_dir).resolve()
-        if log_file is not None and log_dir not in log_file.resolve().parents:
-            log_file = None
-        try:
-            cmdline = ownership.cmdline_of(ident.pid)
-            created = ownership.start_time(ident)
-        except OSError:
-            return None
-        proc = procs.BackendProcess(ident, marker, created, cmdline)
-        rec = ProcessRecord(
-            pid=ident.pid,
-            create_time=created,
-            start_ticks=ident.start_ticks,
-            boot_id=ident.boot_id,
-            marker=marker,
-            cmdline=cmdline,
-            port=ports[0],
-            key_hash=given.key_hash,
-            spawn_id=given.spawn_id,
-            log_file=str(log_file) if log_file is not None else None,
-            spawned_at=datetime.fromtimestamp(created, UTC).isoformat(),
-        )
-        return proc, rec
-
     async def adopt(
         self,
         listening: dict[int, set[int]] | None = None,
@@ -1067,21 +917,36 @@ class Supervisor:
         proc: procs.BackendProcess | None = None
         recorded = False  # the recorded process itself (not a marker carrier found without it)
         if rec is not None:
-            proc, why = await asyncio.to_thread(self.recorded_process)
+            proc, why = await asyncio.to_thread(
+                adoption.recorded_process, rec, self.ctx.marker(self.id)
+            )
             recorded = proc is not None
             if proc is None:
                 log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, self.id, why)
             else:
-                rec = await asyncio.to_thread(self._port_as_spawned, proc, rec)
+                fixed = await asyncio.to_thread(adoption.port_as_spawned, proc, rec, self.id)
+                if fixed is not rec:
+                    self.stored.process = rec = fixed
         inst = self.instance
+        # What the records say was going on; a backend found without a record was starting.
+        status = inst.status
         carrying = (ours or {}).get(self.id)
         if proc is None and self.stored.want_running and carrying:
-            found = await asyncio.to_thread(self.unrecorded_process, carrying, listening)
+            found = await asyncio.to_thread(
+                adoption.unrecorded_process,
+                rec,
+                carrying,
+                listening,
+                marker=self.ctx.marker(self.id),
+                configured_port=inst.config.port,
+                log_dir=Path(self.ctx.settings.log_dir),
+                instance_id=self.id,
+            )
             if found is not None:
                 proc, rec = found
                 self.stored.process = rec
-                if inst.status not in (S.RUNNING, S.STARTING):
-                    inst.status = S.STARTING
+                if status not in (S.RUNNING, S.STARTING):
+                    status = S.STARTING
                 log.warning(
                     "re-adopted backend pid %s of %s on port %s by its marker: config.json "
                     "did not record it (a host killed right after the spawn, or a restored "
@@ -1092,16 +957,18 @@ class Supervisor:
                 )
         if proc is None or rec is None:
             if rec is not None:
-                await self._end_remains(rec)
+                left = await adoption.end_remains(rec, self.id)
+                if left:
+                    self.stored.instance.error_message = "; ".join(left)
             self.stored.process = None
             return "gone"
         self.proc = proc
         self.ctx.ports.claim_adopted(rec.port)
-        if inst.status in (S.STOPPING, S.STOPPED, S.FAILED) or not self.stored.want_running:
+        if status in (S.STOPPING, S.STOPPED, S.FAILED) or not self.stored.want_running:
             # The operator's last word was a stop (or a restart, whose stop comes first).
-            inst.status = S.STOPPING
-            inst.pid, inst.port = proc.pid, rec.port
-            self.ctx.changed(self.id, S.STOPPING.value, "finishing stop")
+            self.set_status(
+                S.STOPPING, reason="finishing stop", recovery=True, pid=proc.pid, port=rec.port
+            )
             # Its own task, not a start: a start asked for meanwhile waits for it, then starts.
             self.stop_task = asyncio.create_task(self._finish_stop(), name=f"stop:{self.id}")
             return "stopping"
@@ -1116,10 +983,11 @@ class Supervisor:
             "supported_endpoints": backend.supported_endpoints(config),
             "served_model_name": backend.served_model_name(config),
         }
-        if inst.status == S.RUNNING and listening_ours:
+        if status == S.RUNNING and listening_ours:
             self.set_status(
                 S.RUNNING,
                 reason="adopted",
+                recovery=True,
                 started_at=inst.started_at or datetime.now(UTC),
                 **fields,
             )
@@ -1132,8 +1000,8 @@ class Supervisor:
         # Still loading (or not listening yet): awaited in the background under the deadline
         # of the start that spawned it, never killed and loaded again. One that was running
         # was ready already: it gets a moment to show its socket, then it is a crash.
-        was_ready = recorded and inst.status == S.RUNNING
-        self.set_status(S.STARTING, reason="adopted", started_at=None, **fields)
+        was_ready = recorded and status == S.RUNNING
+        self.set_status(S.STARTING, reason="adopted", recovery=True, started_at=None, **fields)
         self._ready = asyncio.Event()
         # Held before boot starts anything else, as the start that spawned it held it.
         await hold_adopted(self)
@@ -1147,24 +1015,6 @@ class Supervisor:
             "re-adopted backend pid %s of %s on port %s, still loading", proc.pid, self.id, rec.port
         )
         return "starting"
-
-    async def _end_remains(self, rec: ProcessRecord) -> None:
-        """The recorded backend is gone (it died while no host watched): end what is left of
-        its session (workers whose marker a changed process title wiped), and say who still
-        holds its port. Processes carrying the marker are the boot sweep's."""
-        if rec.boot_id != ownership.boot_id() or rec.start_ticks is None:
-            return
-        ident = ownership.Identity(rec.boot_id, rec.pid, rec.start_ticks)
-        if await asyncio.to_thread(ownership.is_same, ident):
-            # Not gone: the recorded process itself, refused (recorded_process says why). It
-            # is ended with the rest, and said so: "not adopted" alone reads as left running.
-            log.warning(
-                "ending recorded backend pid %s of %s, which was not adopted", rec.pid, self.id
-            )
-        gone = procs.BackendProcess(ident, None, port=rec.port)
-        await procs.end_tree_leftovers(gone)
-        if gone.left_behind:
-            self.stored.instance.error_message = "; ".join(gone.left_behind)
 
     async def _adopted_loading(
         self, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
@@ -1223,7 +1073,7 @@ class Supervisor:
         settings = self.ctx.settings
         # The start that spawned it had START_DEADLINE_S in all, counted from its spawn: this
         # wait and the retries after it share what is left (monotonic from here on).
-        age = await asyncio.to_thread(backend_age_s, proc, rec)
+        age = await asyncio.to_thread(adoption.backend_age_s, proc, rec)
         deadline = time.monotonic() + settings.start_deadline_s - age
         # A few seconds at least, so a backend that became ready while the host was down is
         # still seen as ready.
@@ -1349,7 +1199,9 @@ class Supervisor:
 
     async def kill_recorded(self) -> None:
         """Delete path: make sure no backend of this instance survives, workers included."""
-        proc, _ = await asyncio.to_thread(self.recorded_process)
+        proc, _ = await asyncio.to_thread(
+            adoption.recorded_process, self.stored.process, self.ctx.marker(self.id)
+        )
         if proc is not None:
             await procs.terminate(proc, self.ctx.settings.stop_grace_s)
         self.stored.process = None
