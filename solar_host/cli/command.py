@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from solar_host.cli import instances, jobs, local, models
-from solar_host.cli.connection import UsageError, client_options, resolve_connection
+from solar_host.cli.connection import (
+    CLIENT_OPTIONS,
+    UsageError,
+    add_client_options,
+    client_options,
+    resolve_connection,
+)
 from solar_host.cli.exits import (
     EXIT_AUTH,
     EXIT_BROKEN_PIPE,
@@ -77,6 +83,8 @@ class LocalCommand:
     help: str
     run: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    # Which of the client options (connection.CLIENT_OPTIONS) it takes, before it or after it.
+    takes: tuple[str, ...] = ("env_file",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"solar-host {__version__}")
     p.add_argument("--host", help="bind address of serve (overrides HOST)")
     p.add_argument("--port", type=int, help="port of serve (overrides PORT)")
-    # None: the implicit ./.env, which may be absent; a file named here must exist.
-    p.add_argument("--env-file", default=None, help="settings file (default: ./.env)")
+    # --env-file absent: the implicit ./.env, which may be absent; a file named must exist.
+    add_client_options(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for entry in LOCAL_COMMANDS:
         sp = sub.add_parser(entry.name, help=entry.help)
@@ -119,6 +127,7 @@ LOCAL_COMMANDS: tuple[LocalCommand, ...] = (
         "restart the host leaving its backends serving (the next host re-adopts them)",
         local.handover,
         local.handover_arguments,
+        takes=("env_file", "timeout"),
     ),
     LocalCommand(
         "restore-state",
@@ -260,9 +269,30 @@ def _serve_flags_elsewhere(args: argparse.Namespace) -> str | None:
     )
 
 
+# Commands registered apart from LOCAL_COMMANDS, and the client options they take.
+_OWN_HANDLER_TAKES = {"doctor": ("env_file", "json")}
+
+
+def _client_options_elsewhere(args: argparse.Namespace) -> str | None:
+    """Why a client option given before a command that does not take it cannot stand (it
+    would be dropped without a word: `solar-host --url X` serves); None when it may."""
+    command = args.command or "serve"
+    if command in {c.name for c in CLIENT_COMMANDS}:
+        return None
+    local_takes = {c.name: c.takes for c in LOCAL_COMMANDS} | _OWN_HANDLER_TAKES
+    given = [
+        "--" + dest.replace("_", "-")
+        for dest in CLIENT_OPTIONS
+        if dest in vars(args) and dest not in local_takes.get(command, ())
+    ]
+    if not given:
+        return None
+    return f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} not an option of {command}"
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    refused = _serve_flags_elsewhere(args)
+    refused = _serve_flags_elsewhere(args) or _client_options_elsewhere(args)
     if refused is not None:
         print_error(refused)
         return EXIT_USAGE

@@ -63,15 +63,26 @@ def resolve_connection(args: argparse.Namespace) -> tuple[str, str]:
     return url, key
 
 
-def client_options() -> argparse.ArgumentParser:
-    # SUPPRESS defaults: an option given before the subcommand is not reset by the subparser.
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("connection")
+# The options every client command takes, before the command or after it (their `dest`s).
+CLIENT_OPTIONS = ("url", "api_key", "env_file", "json", "timeout")
+
+
+def add_client_options(p: argparse.ArgumentParser, *, env_file: bool = True) -> None:
+    """--url, --api-key, --env-file, --json, --timeout on `p`.
+
+    SUPPRESS defaults: an option given before the subcommand is not reset by the subparser
+    (argparse copies a subparser's defaults over what the main parser read), and one that was
+    given at all can be told from one that was not.
+    """
+    g = p.add_argument_group("connection (client commands; before or after the command)")
     g.add_argument("--url", default=argparse.SUPPRESS, help="host URL (default: SOLAR_HOST_URL)")
     g.add_argument(
         "--api-key", default=argparse.SUPPRESS, help="API key (default: API_KEY or stored key)"
     )
-    g.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file (default: ./.env)")
+    if env_file:
+        g.add_argument(
+            "--env-file", default=argparse.SUPPRESS, help="settings file (default: ./.env)"
+        )
     g.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
@@ -81,4 +92,10 @@ def client_options() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="seconds to wait for connecting and short calls (default: 10)",
     )
+
+
+def client_options() -> argparse.ArgumentParser:
+    """A parent parser holding the client options (for each client subcommand)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_client_options(p)
     return p

@@ -493,7 +493,9 @@ def register(sub: Any) -> None:
     """Add `doctor` to the CLI's subparsers; the parsed args carry their handler (`run_cli`)."""
     p = sub.add_parser("doctor", help="check this machine before it serves or joins a fleet")
     p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file (default: ./.env)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
     p.set_defaults(handler=run_cli)
 
 

@@ -19,6 +19,8 @@ from solar_host.cli.format import (
     print_error,
 )
 
+HANDOVER_TIMEOUT_S = 120.0
+
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:
     # SUPPRESS: `solar-host --port 1 serve` keeps the port given before the subcommand.
@@ -30,7 +32,10 @@ def serve_arguments(p: argparse.ArgumentParser) -> None:
 def handover_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env-file", default=argparse.SUPPRESS, help="settings file")
     p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds to wait for the host to exit"
+        "--timeout",
+        type=float,
+        default=argparse.SUPPRESS,  # given before the command too
+        help=f"seconds to wait for the host to exit (default: {HANDOVER_TIMEOUT_S:g})",
     )
 
 
@@ -54,7 +59,7 @@ def handover(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     state_dir = settings.config_file.absolute().parent
     try:
-        pid = hand_over(state_dir, timeout=args.timeout)
+        pid = hand_over(state_dir, timeout=getattr(args, "timeout", HANDOVER_TIMEOUT_S))
     except HandOverError as err:
         print_error(f"{err}{_relative_hint(settings, ('config_file',))}")
         return EXIT_FAILED
