@@ -44,14 +44,14 @@ from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
 from solar_host.host import Host, StartupError, build_host
 from solar_host.platform.handover import HAND_OVER_SIGNALS
-from solar_host.platform.httpguard import guarded_protocol
 from solar_host.platform.sdnotify import Notifier
 from solar_host.platform.sdnotify import cancel as cancel_task
+from solar_host.platform.uvicorn_adapter import guarded_protocol, notifying_server
 from solar_host.settings import Settings
 
 log = logging.getLogger("solar_host")
 # How long a stop or a hand-over waits for requests in flight before it closes their
-# connections (see _notifying_server).
+# connections (uvicorn_adapter.notifying_server).
 SHUTDOWN_GRACE_S = 2.0
 
 # A request that arrives before the router is built waits this long for it (it is built in
@@ -112,6 +112,8 @@ class StagedApp:
         self.on_api_settled = on_api_settled
         self._api_settled: asyncio.Event | None = None
         self._edge = wrap_in_edge(self._route, host)
+        # (backends running when the stop began, whether the stop leaves them serving).
+        self.backends_at_stop: tuple[int, bool] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -223,6 +225,7 @@ class StagedApp:
             self.notify_ready()
         await send({"type": "lifespan.startup.complete"})
         message = await receive()
+        self.backends_at_stop = (self._running_backends(), self._keeping_backends())
         self.notifier.stopping("stopping")
         self._remove_hand_over()
         await cancel_task(self._watchdog)
@@ -239,14 +242,20 @@ class StagedApp:
     def notify_ready(self) -> None:
         self.notifier.ready(f"serving; {len(self.host.instances.supervisors)} instances")
 
+    def _running_backends(self) -> int:
+        sups = self.host.instances.supervisors.values()
+        return sum(1 for s in sups if str(s.status) not in ("stopped", "failed"))
+
+    def _keeping_backends(self) -> bool:
+        """Whether the coming stop leaves the backends serving."""
+        return bool(self.host.settings.keep_backends_on_shutdown or self.host.instances.hand_over)
+
     def hand_over(self) -> None:
         """Exit now, leaving every backend serving for the next host process."""
-        sups = self.host.instances.supervisors.values()
-        running = sum(1 for s in sups if str(s.status) not in ("stopped", "failed"))
         log.warning(
             "hand-over restart requested: exiting and leaving %d backend(s) serving for the "
             "next host on this state directory",
-            running,
+            self._running_backends(),
         )
         self.host.hand_over_backends()
         self.notifier.send("STOPPING=1", "STATUS=handing backends over to the next host")
@@ -327,7 +336,9 @@ def serve(settings: Settings, **overrides: Any) -> int:
             access_log=False,
             http=guarded_protocol(settings.http_header_timeout_s),
         )
-        server = _notifying_server(config, on_started=app.notify_ready)
+        server = notifying_server(
+            config, on_started=app.notify_ready, shutdown_grace_s=SHUTDOWN_GRACE_S
+        )
         logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
         logging.getLogger("uvicorn.error").addFilter(_CutRequests(server))
         app.ready_on_lifespan = False
@@ -366,11 +377,30 @@ def serve(settings: Settings, **overrides: Any) -> int:
             if exit_.code != 3:
                 raise
             return 1
+        if server.stopped_by and app.backends_at_stop is not None:
+            print(stop_line(server.stopped_by, *app.backends_at_stop), file=sys.stderr, flush=True)
         return 0 if server.started and not api_failed else 1
     finally:
         if app is not None:
             app.host.release()
         gc.enable()
+
+
+def stop_line(signals: tuple[int, ...], running: int, kept: bool) -> str:
+    """The one line a stop by signal ends with: what became of the backends, and how to get
+    the other outcome."""
+    by = " then ".join(signal.Signals(s).name for s in dict.fromkeys(signals))
+    if kept:
+        return (
+            f"solar-host: stopped by {by}; {running} backend(s) left serving, for the next host "
+            "on this state directory to adopt"
+        )
+    if running == 0:
+        return f"solar-host: stopped by {by}; no backend was running"
+    return (
+        f"solar-host: stopped by {by}; its {running} backend(s) were stopped (to leave them "
+        "serving across a restart: `solar-host handover`, or KEEP_BACKENDS_ON_SHUTDOWN=true)"
+    )
 
 
 class _OneLineRefusal(logging.Filter):
@@ -412,53 +442,3 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
         sock.close()
         raise
     return sock  # not inheritable (Python's default): backends never hold the API's port
-
-
-def _notifying_server(config: Any, on_started: Callable[[], None]) -> Any:
-    """A uvicorn.Server that calls `on_started` (READY=1) once it serves."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        cut_requests = False
-
-        async def _wait_tasks_to_complete(self) -> None:
-            """uvicorn waits for every request in flight before the lifespan's shutdown, with
-            no bound: a start waiting for a model to load (up to START_DEADLINE_S) or a pull
-            held a hand-over or a stop for as long, the API closed meanwhile. After
-            SHUTDOWN_GRACE_S, what is still in flight has its connection closed unanswered:
-            control takes a dropped start as "outcome unknown" and looks again, where an
-            answer (uvicorn's 500 for a cancelled request) would be a failed start, and it
-            deletes an instance whose start failed. The work itself goes on as the stop
-            decides (a start is shielded: handed over, the next host adopts its backend)."""
-            try:
-                async with asyncio.timeout(SHUTDOWN_GRACE_S):
-                    await super()._wait_tasks_to_complete()
-                    return
-            except TimeoutError:
-                pass
-            state = self.server_state
-            log.warning(
-                "closing %d connection(s) with requests still in flight after %g s",
-                len(state.connections),
-                SHUTDOWN_GRACE_S,
-            )
-            for conn in list(state.connections):
-                transport = getattr(conn, "transport", None)
-                if transport is not None:
-                    transport.close()
-            self.cut_requests = True  # their CancelledError is no error (_CutRequests)
-            for task in list(state.tasks):
-                task.cancel()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(SHUTDOWN_GRACE_S):
-                    await super()._wait_tasks_to_complete()
-
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started and not self.should_exit:
-                for sock in sockets or ():  # uvicorn names only the sockets it binds itself
-                    addr = sock.getsockname()
-                    log.info("serving the REST API on http://%s:%d", *addr[:2])
-                on_started()
-
-    return Server(config)

@@ -3,7 +3,7 @@ start-up that a flood of connections left without its REST API for good (review 
 needed for any of them).
 
 Real sockets on loopback against a real host process (tests/fixtures/hostproc.py), but for the
-write stall, tested on uvicorn with the same guard (solar_host/httpguard.py, which the HF server
+write stall, tested on uvicorn with the same guard (platform/uvicorn_adapter.py, which the HF server
 uses too) and a one-second bound. Every wait is bounded; assertions are "closed within N s" and
 growth in MB, not timings.
 """
@@ -25,7 +25,7 @@ import httpx
 import pytest
 import uvicorn
 
-from solar_host.platform.httpguard import guarded_protocol
+from solar_host.platform.uvicorn_adapter import guarded_protocol
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.ports import free_port
 from tests.fixtures.waiting import closed_within

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from solar_host.platform.httpguard import guarded_protocol
+from solar_host.platform.uvicorn_adapter import guarded_protocol
 from solar_host.servers.hf_app import BODY_TIMEOUT_S, HFServer, build_app
 from solar_host.servers.log_lines import READY_FORMAT, ready_host
 

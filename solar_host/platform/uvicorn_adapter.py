@@ -1,5 +1,15 @@
-"""uvicorn's httptools protocol with the bounds uvicorn leaves out, for the host's API and
-the HF server alike: a connection whose request headers do not arrive within a time limit, or
+"""Everything the host does with uvicorn's private API, in one module: uvicorn (pinned below its
+next minor in pyproject.toml) may change any of it in a release, and tests/test_uvicorn_adapter.py
+fails naming the class and attribute if it does (PRIVATE_API lists them).
+
+- `guarded_protocol`: uvicorn's httptools protocol with the bounds it leaves out (below), and an
+  answer's head and body in one send (HeadWithBody), for the host's API and the HF server alike.
+- `notifying_server`: the host's uvicorn.Server: READY=1 once it serves, a bounded wait for
+  requests in flight at a stop, and a stop by SIGINT or SIGTERM that returns instead of
+  raising the signal again (uvicorn re-raises it after a clean shutdown: Ctrl-C ended in a
+  KeyboardInterrupt traceback and a death by SIGINT).
+
+The guard: a connection whose request headers do not arrive within a time limit, or
 whose headers pass a size limit, is closed. uvicorn never times out a connection that has not
 finished its headers (anyone who can connect held a descriptor for ever), and httptools keeps
 headers of any size in memory (400 headers of 1 MiB took 400 MiB). Past the size limit the
@@ -24,8 +34,50 @@ client liked (review repros, no key needed):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger("solar_host")
+
+# What this module reads or overrides of uvicorn beyond its documented API (uvicorn.Config,
+# uvicorn.Server(config).run/serve, should_exit, started), by class: instance attributes and
+# methods alike. tests/test_uvicorn_adapter.py checks every name on the installed uvicorn.
+PRIVATE_API: dict[str, tuple[str, ...]] = {
+    "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol": (
+        "loop",
+        "transport",
+        "cycle",
+        "pipeline",
+        "connection_made",
+        "connection_lost",
+        "data_received",
+        "on_message_begin",
+        "on_url",
+        "on_header",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "on_response_complete",
+        "pause_writing",
+        "resume_writing",
+        "handle_websocket_upgrade",
+    ),
+    "uvicorn.protocols.http.httptools_impl.RequestResponseCycle": (
+        "transport",
+        "response_complete",
+    ),
+    "uvicorn.server.Server": (
+        "server_state",
+        "startup",
+        "_wait_tasks_to_complete",
+        "capture_signals",
+        "_captured_signals",
+    ),
+    "uvicorn.server.ServerState": ("connections", "tasks"),
+}
 
 # Far above what any client sends (nginx's default buffers hold 32 KiB).
 MAX_HEADER_BYTES = 64 * 1024
@@ -256,3 +308,67 @@ def _headers_too_large(limit: int) -> bytes:
         f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+def notifying_server(
+    config: Any, on_started: Callable[[], None], *, shutdown_grace_s: float
+) -> Any:
+    """A uvicorn.Server that calls `on_started` (READY=1) once it serves, bounds the wait for
+    requests in flight at a stop by `shutdown_grace_s`, and returns after a stop by signal
+    (`stopped_by` names the signals) instead of raising it again."""
+    import uvicorn
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        cut_requests = False
+        stopped_by: tuple[int, ...] = ()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            """uvicorn's, less the re-raise of the signals it caught once the server is
+            down: the stop is complete, and the caller says how it ended."""
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self.stopped_by = tuple(self._captured_signals)
+                    self._captured_signals.clear()
+
+        async def _wait_tasks_to_complete(self) -> None:
+            """uvicorn waits for every request in flight before the lifespan's shutdown, with
+            no bound: a start waiting for a model to load (up to START_DEADLINE_S) or a pull
+            held a hand-over or a stop for as long, the API closed meanwhile. After
+            shutdown_grace_s, what is still in flight has its connection closed unanswered:
+            control takes a dropped start as "outcome unknown" and looks again, where an
+            answer (uvicorn's 500 for a cancelled request) would be a failed start, and it
+            deletes an instance whose start failed. The work itself goes on as the stop
+            decides (a start is shielded: handed over, the next host adopts its backend)."""
+            try:
+                async with asyncio.timeout(shutdown_grace_s):
+                    await super()._wait_tasks_to_complete()
+                    return
+            except TimeoutError:
+                pass
+            state = self.server_state
+            log.warning(
+                "closing %d connection(s) with requests still in flight after %g s",
+                len(state.connections),
+                shutdown_grace_s,
+            )
+            for conn in list(state.connections):
+                conn.transport.close()
+            self.cut_requests = True  # their CancelledError is no error (serving._CutRequests)
+            for task in list(state.tasks):
+                task.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(shutdown_grace_s):
+                    await super()._wait_tasks_to_complete()
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and not self.should_exit:
+                for sock in sockets or ():  # uvicorn names only the sockets it binds itself
+                    addr = sock.getsockname()
+                    log.info("serving the REST API on http://%s:%d", *addr[:2])
+                on_started()
+
+    return Server(config)
