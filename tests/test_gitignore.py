@@ -28,6 +28,7 @@ def git(cwd: Path, *args: str) -> str:
     ).stdout
 
 
+@pytest.mark.llama
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_a_host_run_in_a_checkout_leaves_git_status_clean(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"
