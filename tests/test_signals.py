@@ -156,7 +156,7 @@ def _group_alive(pgid: int) -> bool:
 _REUSE = textwrap.dedent(
     """
     import json, os, signal, subprocess, sys, time
-    from solar_host.instances import ownership, signals
+    from solar_host.instances import ownership, procfs, signals
     listener, out = sys.argv[1], sys.argv[2]
 
     def next_pid_is(pid):
@@ -173,11 +173,20 @@ _REUSE = textwrap.dedent(
     old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     recorded = ownership.identity_of(old.pid)
     pidfd = os.pidfd_open(old.pid)  # opened while the recorded process lived
+    # An identity tells processes apart by their start time in clock ticks: the next one must
+    # not start in the tick the recorded one did (outside a namespace whose next pid is set by
+    # hand, the pid space is not cycled through within one tick).
+    deadline = time.monotonic() + 10
+    while procfs.uptime_s() * procfs.clock_ticks() < recorded.start_ticks + 2:
+        if time.monotonic() > deadline:
+            raise SystemExit("the boot clock did not move")
+        time.sleep(0.01)
     old.kill()
     old.wait()
     next_pid_is(old.pid)
     new = start_listener(out)
     result = {"same_pid": new.pid == old.pid}
+    result["later_tick"] = ownership.identity_of(new.pid).start_ticks > recorded.start_ticks
     result["send"] = signals.send(recorded, signal.SIGUSR1)
     result["send_group"] = signals.send_group(recorded, signal.SIGUSR1)
     try:
@@ -225,6 +234,7 @@ def test_a_reused_pid_is_never_signalled(tmp_path: Path) -> None:
     assert result["same_pid"], "the kernel did not reuse the pid"
     assert result == {
         "same_pid": True,
+        "later_tick": True,
         "send": False,
         "send_group": False,
         "old_pidfd": "gone",  # a pidfd reaches its own process, never the pid's next owner

@@ -22,7 +22,6 @@ any backend starts.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections.abc import Iterable
@@ -59,55 +58,8 @@ def _kind(backend_type: str) -> str:
     return "sglang" if backend_type == "sglang" else "llamacpp"
 
 
-def programs_of(argv: list[str]) -> set[str]:
-    """What a command line runs: its executable's name and, behind an interpreter's options,
-    the module (`-m X`) or script it was given."""
-    if not argv:
-        return set()
-    found = {os.path.basename(argv[0])}
-    rest = argv[1:]
-    for i, arg in enumerate(rest):
-        if arg == "-m":
-            if i + 1 < len(rest):
-                found.add(rest[i + 1])
-            break
-        if arg.startswith("-"):
-            continue  # an interpreter's flag (python -u)
-        found.add(os.path.basename(arg))
-        break
-    return found
-
-
 def runs_kind(argv: list[str], backend_type: str) -> bool:
-    names = _PROGRAMS[_kind(backend_type)]
-    return any(p == n or p.startswith(n + "-") for p in programs_of(argv) for n in names)
-
-
-def judge(pid: int, port: int | None, backend_type: str) -> tuple[str, Identity | None, str]:
-    """("gone" | "other" | "backend" | "unsure", its identity, why)."""
-    ident = ownership.identity_of(pid)
-    if ident is None:
-        return "gone", None, "it exited"
-    try:
-        argv = ownership.cmdline_of(pid)
-    except PermissionError:
-        return "unsure", ident, "its command line cannot be read"
-    except OSError:
-        return "gone", None, "it exited"
-    kind = runs_kind(argv, backend_type)
-    # Program names only: the previous release put the host key on backends' command lines.
-    runs = " ".join(sorted(programs_of(argv))) or "nothing (no command line)"
-    # owns_port reads the process's descriptors: unreadable ones read as "not listening",
-    # which with a matching program is "unsure", never "backend".
-    listens = port is not None and ownership.owns_port(ident, port, None)
-    if kind and listens:
-        return "backend", ident, f"it runs {runs} and listens on port {port}"
-    if not kind and not listens:
-        return "other", ident, "its pid now runs another program, not listening on that port"
-    if kind:
-        return "unsure", ident, f"it runs {runs} but does not listen on port {port}"
-    why = f"it listens on port {port} but runs {runs}, not a {_kind(backend_type)} backend"
-    return "unsure", ident, why
+    return ownership.runs_one_of(argv, _PROGRAMS[_kind(backend_type)])
 
 
 def _wait_gone(idents: Iterable[Identity], timeout: float) -> list[Identity]:
@@ -169,7 +121,8 @@ def settle(records: list[StoredInstance]) -> None:
         if pid is None or pid <= 0 or inst.status not in (S.RUNNING, S.STARTING, S.STOPPING):
             continue
         alias = inst.config.alias
-        verdict, ident, why = judge(pid, inst.port, inst.config.backend_type)
+        kind = _kind(inst.config.backend_type)
+        verdict, ident, why = ownership.judge_unmarked(pid, inst.port, _PROGRAMS[kind], kind)
         if verdict == "gone":
             log.info("backend pid %s of %s (%s), previous release: %s", pid, inst.id, alias, why)
         elif verdict == "other":

@@ -16,7 +16,14 @@ The questions, each with one function:
   process in its session, or of a process carrying its marker. A 200 from someone else on the
   port proves nothing.
 - **What of ours runs here?** `ours_running(host_id)`: every live process carrying this host's
-  marker, by instance id (the boot sweep stops those no recorded instance owns).
+  marker, by instance id; `strays(...)`: those no instance owns, for the boot sweep to stop.
+- **Which processes are this backend's?** `backend_processes(...)`: its marker's carriers, its
+  session, their descendants, and the holders of the sockets proved its own (`own_sockets`):
+  what a stop or a crash clean-up ends besides the backend's process group.
+- **Is a pid the previous release recorded still its backend?** `judge_unmarked(...)`: no
+  identity, no marker, so its program and its port must both say so.
+
+Signals go through signals.py, which asks `is_same` with a pidfd held.
 
 Everything here reads the process table synchronously: callers on the event loop use
 asyncio.to_thread.
@@ -32,10 +39,10 @@ import re
 import secrets
 import threading
 import uuid
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from solar_host.instances import procfs, sockdiag
 from solar_host.platform.statefiles import StateFileError, read_regular
@@ -416,6 +423,177 @@ def listening_ports(identity: Identity, listening: dict[int, set[int]] | None = 
             if inodes - {0} and any(procfs.holds_socket(m, inodes - {0}) for m in members)
         )
     return []
+
+
+# --- the backend's processes ---------------------------------------------------------------------
+
+
+def backend_processes(
+    root: Identity, marker: str | None, port: int | None, sockets: frozenset[int]
+) -> list[Identity]:
+    """Every process of the backend `root` other than itself: what a signal to its group may
+    miss (workers that called setsid(), the group's members once its leader is gone) and what
+    its marker cannot find (a process that overwrote its exec'd environment, as setproctitle
+    does for a long title, or that exec'd with an empty one). Blocking.
+
+    Each is the backend's beyond doubt: it carries `marker`, or lives in the backend's session
+    (a session id is never reused while a member lives), or descends from one of those by its
+    parent chain, or holds one of `sockets`, listening on `port` and proved the backend's own
+    (own_sockets)."""
+    found: dict[int, Identity] = {}
+    if marker is not None:
+        # Members of the backend's group (one whose leader died keeps its id) that carry the
+        # marker are among the carriers too: one scan finds them all.
+        found.update((i.pid, i) for i in carriers(marker))
+    found.update((i.pid, i) for i in _kin(root, set(found), port, sockets))
+    found.pop(root.pid, None)
+    return list(found.values())
+
+
+def _kin(
+    root: Identity, known: set[int], port: int | None, sockets: frozenset[int]
+) -> list[Identity]:
+    """The backend's session, the descendants of it and of `known` (marker carriers), and the
+    holders of its proved listening sockets, from one read of the process table. Blocking."""
+    root_alive = is_same(root)
+    # A live process with the backend's pid that is not the backend: the pid was reused, so
+    # the session of that id (and that process's children) are someone else's.
+    reused = not root_alive and identity_of(root.pid) is not None
+    table = {pid: st for pid, st in procfs.table().items() if not st.exited}
+    members: set[int] = set()
+    if not reused:
+        members = {
+            pid
+            for pid, st in table.items()
+            if st.sid == root.pid and st.start_ticks >= root.start_ticks
+        }
+    # Descendants by their parent chain: a child never starts before its parent.
+    children: dict[int, list[int]] = {}
+    for pid, st in table.items():
+        children.setdefault(st.ppid, []).append(pid)
+    todo = [*members, *(p for p in known if p in table)]
+    if root_alive:
+        todo.append(root.pid)
+    seen = set(todo)
+    while todo:
+        parent = todo.pop()
+        if parent == root.pid:
+            parent_ticks = root.start_ticks
+        else:
+            parent_ticks = table[parent].start_ticks if parent in table else 0
+        for child in children.get(parent, ()):
+            if child not in seen and table[child].start_ticks >= parent_ticks:
+                seen.add(child)
+                todo.append(child)
+    if port is not None and sockets:
+        live = listeners().get(port, set()) & sockets
+        if live:
+            seen.update(p for p in table if p not in seen and procfs.holds_socket(p, live))
+    seen.discard(root.pid)
+    seen.discard(os.getpid())
+    return [Identity(root.boot_id, pid, table[pid].start_ticks) for pid in seen if pid in table]
+
+
+def own_sockets(identity: Identity, port: int) -> frozenset[int] | None:
+    """The sockets listening on `port` that are the backend's own: held by it or by a process
+    of its session. Whoever holds one later got it from the backend (backend_processes).
+    None when nothing listens there (nothing proved, nothing disproved)."""
+    inodes = listener_inodes(port)
+    if not inodes:
+        return None
+    holders = [identity.pid]
+    with contextlib.suppress(OSError):
+        holders += [m for m in session_members(os.getsid(identity.pid)) if m != identity.pid]
+    return frozenset(i for i in inodes if any(procfs.holds_socket(p, {i}) for p in holders))
+
+
+def strays(
+    ours: Mapping[str, Collection[Identity]],
+    owners: Mapping[str, Identity],
+    starting: Collection[str] = (),
+    protected_ids: Collection[str] = (),
+    protected_pids: Collection[int] = (),
+) -> list[Identity]:
+    """The processes of `ours` (ours_running: this host's marker carriers, by instance id)
+    that no instance owns, for the boot sweep to stop.
+
+    `owners`: instance id -> the backend its supervisor holds; that backend and the workers
+    it started since are its own (a carrier older than it is a leftover of an earlier backend
+    of the same instance). `starting`: instances whose start is in flight and adopted nothing:
+    what carries their marker is that start's own. `protected_ids`, `protected_pids`:
+    quarantined config.json entries keep their backends (and those backends' workers), known
+    by the entry's id in their marker, or by its recorded pid."""
+    found: list[Identity] = []
+    for iid, idents in ours.items():
+        if iid in protected_ids or iid in starting:
+            continue
+        if any(ident.pid in protected_pids for ident in idents):
+            continue
+        owner = owners.get(iid)
+        found.extend(i for i in idents if owner is None or i.start_ticks < owner.start_ticks)
+    return found
+
+
+# --- a backend the previous release recorded ----------------------------------------------------
+
+
+Verdict = Literal["gone", "other", "backend", "unsure"]
+
+
+def programs_of(argv: list[str]) -> set[str]:
+    """What a command line runs: its executable's name and, behind an interpreter's options,
+    the module (`-m X`) or script it was given."""
+    if not argv:
+        return set()
+    found = {os.path.basename(argv[0])}
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        if arg == "-m":
+            if i + 1 < len(rest):
+                found.add(rest[i + 1])
+            break
+        if arg.startswith("-"):
+            continue  # an interpreter's flag (python -u)
+        found.add(os.path.basename(arg))
+        break
+    return found
+
+
+def runs_one_of(argv: list[str], names: Collection[str]) -> bool:
+    """Whether the command line runs one of these programs (or a `name-...` variant of one)."""
+    return any(p == n or p.startswith(n + "-") for p in programs_of(argv) for n in names)
+
+
+def judge_unmarked(
+    pid: int, port: int | None, programs: Collection[str], kind: str
+) -> tuple[Verdict, Identity | None, str]:
+    """Whether `pid`, recorded as a `kind` backend listening on `port` by a host that kept no
+    identity and gave no marker (the previous release), is still that backend: "backend" when
+    it runs one of `programs` and listens there, "other" when it does neither, "gone" when it
+    exited, "unsure" for half the evidence; with its identity and why."""
+    ident = identity_of(pid)
+    if ident is None:
+        return "gone", None, "it exited"
+    try:
+        argv = cmdline_of(pid)
+    except PermissionError:
+        return "unsure", ident, "its command line cannot be read"
+    except OSError:
+        return "gone", None, "it exited"
+    runs_kind = runs_one_of(argv, programs)
+    # Program names only: the previous release put the host key on backends' command lines.
+    runs = " ".join(sorted(programs_of(argv))) or "nothing (no command line)"
+    # owns_port reads the process's descriptors: unreadable ones read as "not listening",
+    # which with a matching program is "unsure", never "backend".
+    listens = port is not None and owns_port(ident, port, None)
+    if runs_kind and listens:
+        return "backend", ident, f"it runs {runs} and listens on port {port}"
+    if not runs_kind and not listens:
+        return "other", ident, "its pid now runs another program, not listening on that port"
+    if runs_kind:
+        return "unsure", ident, f"it runs {runs} but does not listen on port {port}"
+    why = f"it listens on port {port} but runs {runs}, not a {kind} backend"
+    return "unsure", ident, why
 
 
 def start_time(identity: Identity) -> float:

@@ -129,81 +129,17 @@ def spawn(
 
 
 def _strays(proc: BackendProcess) -> list[Identity]:
-    """Processes of the backend that a group signal may miss: workers that called setsid(),
-    the group's members once its leader is gone, and what the environment marker cannot find
-    (a process that overwrote its exec'd environment, as setproctitle does for a long title,
-    or that exec'd with an empty one). Blocking.
-
-    Each is the backend's beyond doubt: it carries the marker, or lives in the backend's
-    session (a session id is never reused while a member lives), or descends from one of
-    those by its parent chain, or holds a listening socket proved the backend's own."""
-    found: dict[int, Identity] = {}
-    if proc.marker is not None:
-        # Members of the backend's group (one whose leader died keeps its id) that carry the
-        # marker are among the carriers too: one scan finds them all.
-        found.update((i.pid, i) for i in ownership.carriers(proc.marker))
-    found.update((i.pid, i) for i in _kin(proc, set(found)))
-    found.pop(proc.pid, None)
-    return list(found.values())
-
-
-def _kin(proc: BackendProcess, known: set[int]) -> list[Identity]:
-    """The backend's session, the descendants of it and of `known` (marker carriers), and the
-    holders of its proved listening sockets, from one read of the process table. Blocking."""
-    root = proc.identity
-    root_alive = ownership.is_same(root)
-    # A live process with the backend's pid that is not the backend: the pid was reused, so
-    # the session of that id (and that process's children) are someone else's.
-    reused = not root_alive and ownership.identity_of(root.pid) is not None
-    table = {
-        pid: (st.ppid, st.sid, st.start_ticks)
-        for pid, st in procfs.table().items()
-        if not st.exited
-    }
-    members: set[int] = set()
-    if not reused:
-        members = {
-            pid
-            for pid, (_ppid, sid, ticks) in table.items()
-            if sid == root.pid and ticks >= root.start_ticks
-        }
-    # Descendants by their parent chain: a child never starts before its parent.
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _sid, _ticks) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    todo = [*members, *(p for p in known if p in table)]
-    if root_alive:
-        todo.append(root.pid)
-    seen = set(todo)
-    while todo:
-        parent = todo.pop()
-        parent_ticks = root.start_ticks if parent == root.pid else table.get(parent, (0, 0, 0))[2]
-        for child in children.get(parent, ()):
-            if child not in seen and table[child][2] >= parent_ticks:
-                seen.add(child)
-                todo.append(child)
-    if proc.port is not None and proc.sockets:
-        live = ownership.listeners().get(proc.port, set()) & proc.sockets
-        if live:
-            seen.update(p for p in table if p not in seen and procfs.holds_socket(p, live))
-    seen.discard(root.pid)
-    seen.discard(os.getpid())
-    return [ownership.Identity(root.boot_id, pid, table[pid][2]) for pid in seen if pid in table]
+    """Every other process of the backend (ownership.backend_processes). Blocking."""
+    return ownership.backend_processes(proc.identity, proc.marker, proc.port, proc.sockets)
 
 
 def note_listener(proc: BackendProcess, port: int) -> None:
     """Remember `port` as the backend's API port and the sockets listening there that are its
-    own (held by it or a process of its session): proved, so that whoever holds one later is
-    found by it (_kin). Blocking (procfs reads)."""
+    own (ownership.own_sockets): whoever holds one later is found by them. Blocking."""
     proc.port = port
-    inodes = ownership.listener_inodes(port)
-    if not inodes:
-        return
-    holders = [proc.pid]
-    with contextlib.suppress(OSError):
-        holders += [m for m in ownership.session_members(os.getsid(proc.pid)) if m != proc.pid]
-    own = {i for i in inodes if any(procfs.holds_socket(p, {i}) for p in holders)}
-    proc.sockets = frozenset(own)
+    own = ownership.own_sockets(proc.identity, port)
+    if own is not None:
+        proc.sockets = own
 
 
 def _still_held(proc: BackendProcess) -> list[str]:
@@ -237,11 +173,6 @@ def cpu_seconds(proc: BackendProcess) -> float:
         if st is not None:
             total += st.cpu_ticks / procfs.clock_ticks()
     return total
-
-
-def kill_leftovers(proc: BackendProcess) -> None:
-    """SIGKILL whatever is left of the backend. Blocking."""
-    signal_tree(proc, signal.SIGKILL)
 
 
 def end_identities(idents: list[Identity]) -> None:

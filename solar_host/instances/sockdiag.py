@@ -1,13 +1,13 @@
 """Listening TCP sockets from the kernel's sock_diag netlink interface.
 
-/proc/net/tcp lists every TCP socket of the namespace, TIME_WAIT leftovers included: a host
-probing 200 loading backends leaves thousands of them, and parsing those lines in Python costs
-milliseconds per read, all of it holding the GIL (the event loop waits behind it). sock_diag
-filters by state in the kernel and answers with only the listening sockets, in binary, in a
-fraction of a millisecond.
+The kernel's TCP table (procfs.tcp_listeners) lists every TCP socket of the namespace,
+TIME_WAIT leftovers included: a host probing 200 loading backends leaves thousands of them, and
+parsing those lines in Python costs milliseconds per read, all of it holding the GIL (the event
+loop waits behind it). sock_diag filters by state in the kernel and answers with only the
+listening sockets, in binary, in a fraction of a millisecond.
 
 `tcp_listeners()` returns None where netlink is not allowed (some sandboxes): the caller falls
-back to /proc/net/tcp.
+back to that table.
 """
 
 from __future__ import annotations
