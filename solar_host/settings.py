@@ -250,6 +250,13 @@ class Settings(BaseModel):
     hf_endpoint: str = Field(
         default="", description="HuggingFace Hub endpoint (empty: huggingface_hub's default)."
     )
+    # Pulls: verified, resumable, polite (issue 42).
+    pull_max_bytes_per_s: int = Field(
+        default=0,
+        ge=0,
+        description="Cap on this host's download rate, all pulls together, in bytes per second "
+        "(0: no cap). Answers 429/503 are waited out as their Retry-After asks either way.",
+    )
 
     # --- control link ----------------------------------------------------------------------
     solar_control_url: str = Field(

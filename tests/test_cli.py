@@ -320,8 +320,10 @@ async def test_pull_shows_a_progress_bar_on_a_terminal_and_lines_elsewhere(
         proxy.close()
 
 
-async def test_pull_from_the_hub_without_a_size(tmp_path: Path) -> None:
-    """A source that does not announce the size: bytes and phases only, then the models table."""
+async def test_pull_from_the_hub_shows_its_size(tmp_path: Path) -> None:
+    """The Hub's file listing gives the snapshot's size (issue 42: pulls list files with their
+    digests and sizes before fetching): the plain lines show percentages, then the models
+    table. (Before, a Hub pull had no size: bytes and phases only.)"""
     hub_root = tmp_path / "hub"
     (hub_root / "acme" / "big").mkdir(parents=True)
     (hub_root / "acme" / "big" / "weights.bin").write_bytes(os.urandom(1_000_000))
@@ -340,10 +342,8 @@ async def test_pull_from_the_hub_without_a_size(tmp_path: Path) -> None:
             assert rc == 0, err
             lines = out.splitlines()
             assert lines[-1].startswith(f"{uri}: ") and "hf--acme--big" in lines[-1]
-            assert any(
-                ln.startswith(f"{uri}: resolving") or ln.startswith(f"{uri}: downloading")
-                for ln in lines[:-1]
-            ), out
+            assert any(ln.startswith(f"{uri}:   0%") for ln in lines[:-1]), out
+            assert any(ln.startswith(f"{uri}: 100%") for ln in lines[:-1]), out
             rc, out, _ = await cli("models", *conn, cwd=tmp_path)
             assert rc == 0 and "hf--acme--big" in out and "976.6 KiB" in out
     finally:

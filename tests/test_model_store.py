@@ -740,7 +740,7 @@ async def test_concurrent_pulls_share_one_download(tmp_path, hub):
 
 
 async def test_hf_resume_after_cancel_keeps_finished_files(tmp_path, hub_root):
-    # huggingface_hub 2.x resumes per file: what finished before the cancel is not fetched again.
+    # What finished before the cancel is not fetched again (and the rest resumes, below).
     repo = hub_root / "acme" / "multi"
     repo.mkdir(exist_ok=True)
     (repo / "small.json").write_text("{}")

@@ -1,4 +1,5 @@
-"""Model store routes: GET /models, POST /models/pull, DELETE /models/{slug}.
+"""Model store routes: GET /models, POST /models/pull, POST /models/{slug}/verify,
+DELETE /models/{slug}.
 
 Pull errors use the contract's flat body {error, detail, source_uri, status_code}; a malformed
 pull request is a 422 in the same shape, naming the field.
@@ -93,6 +94,23 @@ async def pull_model(request: Request) -> Any:
         return await _store(request).pull(req)
     except PullError as perr:
         return JSONResponse(perr.body(req.source_uri), status_code=perr.status_code)
+
+
+@router.post(
+    "/models/{slug}/verify",
+    responses={
+        400: {"description": "not a model name"},
+        404: {"description": "no model of that name was pulled"},
+    },
+)
+async def verify_model(slug: str, request: Request) -> Any:
+    """Read a pulled model's files again and check each against the digest its source
+    published (recorded at the pull: no network). 200 either way; `ok` says whether every
+    file matched, and each file's `result` is ok, mismatch, missing, unrecorded or extra."""
+    try:
+        return await _store(request).verify(slug)
+    except StoreError as err:
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code)
 
 
 @router.delete("/models/{slug}")

@@ -337,6 +337,10 @@ class HostClient:
         resp = self.request("POST", "/models/pull", json_body=body, read_timeout=None)
         return self.object_of(resp)
 
+    def verify(self, slug: str) -> dict[str, Any]:
+        path = f"/models/{quote(slug, safe='')}/verify"
+        return self.object_of(self.request("POST", path, read_timeout=None))
+
     def metrics_text(self) -> str:
         return self.request("GET", "/metrics").text
 

@@ -170,7 +170,13 @@ CLIENT_COMMANDS: tuple[ClientCommand, ...] = (
     ClientCommand(
         "pull", "download a model into MODELS_DIR", models.cmd_pull, models.pull_arguments
     ),
-    ClientCommand("models", "list pulled models", models.cmd_models),
+    ClientCommand("models", "list pulled models and model files found on disk", models.cmd_models),
+    ClientCommand(
+        "verify",
+        "check a pulled model's files against their recorded digests",
+        models.cmd_verify,
+        models.verify_arguments,
+    ),
     ClientCommand(
         "jobs", "list, show, cancel jobs and read their logs", jobs.cmd_jobs, jobs.jobs_arguments
     ),

@@ -10,6 +10,7 @@ from typing import Any
 
 from solar_host.cli.connection import UsageError
 from solar_host.cli.exits import (
+    EXIT_FAILED,
     EXIT_OK,
 )
 from solar_host.cli.format import (
@@ -120,3 +121,23 @@ def cmd_models(c: Any, args: argparse.Namespace) -> int:
     ]
     print(table(rows, ("SLUG", "SIZE", "SOURCE", "PATH")))
     return EXIT_OK
+
+
+def verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("slug", metavar="SLUG", help="the model's name, as `solar-host models` shows")
+
+
+def cmd_verify(c: Any, args: argparse.Namespace) -> int:
+    """Exit 0 when every file matched its recorded digest, 1 otherwise."""
+    report = c.verify(args.slug)
+    if args.json:
+        print_json(report)
+    else:
+        rows = [
+            (f.get("result"), human_bytes(f.get("size_bytes")), f.get("name"))
+            for f in report["files"]
+        ]
+        print(table(rows, ("RESULT", "SIZE", "FILE")))
+        verdict = "verified" if report.get("ok") else "NOT verified"
+        print(f"{visible(report.get('name'))}: {verdict}")
+    return EXIT_OK if report.get("ok") else EXIT_FAILED

@@ -23,9 +23,12 @@ from pathlib import Path
 from solar_host.model_store import huggingface, oci
 from solar_host.model_store.layers import assemble
 from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
+from solar_host.model_store.pacing import RateCap, Waiting
 from solar_host.model_store.placement import PARTIAL, link_snapshot, place, remove_if_empty
 from solar_host.model_store.progress import ByteCounter, PullReporter
 from solar_host.model_store.pull import PullError, PullRequest, inventory, split_ref, sync_tree
+from solar_host.model_store.streaming import Cancelled, CancelToken
+from solar_host.model_store.transfer import hash_sha256
 from solar_host.resources.probes import GB
 from solar_host.settings import Settings
 
@@ -39,8 +42,9 @@ class PullJob:
     key: tuple[str, tuple[str, ...] | None]
     reporters: list[PullReporter] = field(default_factory=list)
     task: asyncio.Task[ManifestEntry] | None = None
-    cancel: oci.CancelToken = field(default_factory=oci.CancelToken)
+    cancel: CancelToken = field(default_factory=CancelToken)
     bytes_total: int | None = None
+    waiting: Waiting = field(default_factory=Waiting)  # a wait the source asked for
 
 
 @dataclass
@@ -52,16 +56,22 @@ class _Plan:
     layers: list[oci.Layer] = field(default_factory=list)
     manifest_digest: str | None = None
     present: int = 0  # bytes already on disk (a resume)
-    measure: Path | None = None  # count progress as the bytes on disk under this directory
+    digests: dict[str, str] = field(default_factory=dict)  # path -> "sha256:<hex>", checked
+    revision: str | None = None  # the Hub commit pulled
 
 
 class Download:
     """Runs the download of a `PullJob` for the store (`run`)."""
 
     def __init__(
-        self, settings: Settings, manifest: Manifest, free_bytes: Callable[[], int | None]
+        self,
+        settings: Settings,
+        manifest: Manifest,
+        free_bytes: Callable[[], int | None],
+        rate_cap: RateCap | None = None,
     ) -> None:
         self.settings = settings
+        self.rate_cap = rate_cap
         self.manifest = manifest
         self.models_dir = manifest.models_dir
         self.free_bytes = free_bytes
@@ -78,12 +88,14 @@ class Download:
             if req.source == "harbor":
                 plan = await self._harbor_plan(job, req, partial, counter)
             else:
-                plan = await self._hub_plan(job, req, partial, target)
+                # A size the caller announces is checked before the Hub is asked anything.
+                await asyncio.to_thread(self._check_room, req.size_bytes, 0)
+                plan = await self._hub_plan(job, req, partial, target, counter)
             for r in job.reporters:
                 if job.bytes_total is not None:
                     r.bytes_total = job.bytes_total
             await asyncio.to_thread(self._check_room, job.bytes_total, plan.present)
-            await self._run_monitored(job, plan.fetch, counter, partial, plan.measure)
+            await self._run_monitored(job, plan.fetch, counter, partial)
             for r in job.reporters:
                 r.phase("verifying")  # blobs were hashed while streaming; now place the files
                 r.phase("finalizing")
@@ -125,7 +137,14 @@ class Download:
         self, job: PullJob, req: PullRequest, partial: Path, counter: ByteCounter
     ) -> _Plan:
         s = self.settings
-        registry = oci.Registry(s.harbor_url, s.harbor_username, s.harbor_password)
+        registry = oci.Registry(
+            s.harbor_url,
+            s.harbor_username,
+            s.harbor_password,
+            pace=self._pace(job),
+            waiting=job.waiting,
+            cancel=job.cancel,
+        )
         _, repo, tag, digest = split_ref(req.harbor_ref or "", registry.host)
         layers, manifest_digest = await asyncio.to_thread(
             registry.manifest, repo, digest or tag or "latest"
@@ -144,13 +163,15 @@ class Download:
         def fetch() -> None:
             for layer in layers:
                 if job.cancel.is_set():
-                    raise oci.Cancelled()
+                    raise Cancelled()
                 registry.fetch_blob(repo, layer, blobs, counter, job.cancel)
 
         present = await asyncio.to_thread(_bytes_present, blobs, layers)
         return _Plan(fetch, layers=layers, manifest_digest=manifest_digest, present=present)
 
-    async def _hub_plan(self, job: PullJob, req: PullRequest, partial: Path, target: Path) -> _Plan:
+    async def _hub_plan(
+        self, job: PullJob, req: PullRequest, partial: Path, target: Path, counter: ByteCounter
+    ) -> _Plan:
         old = self.manifest.get(req.base_uri)
         # Adding files to a snapshot on disk: the download reuses its files (also when an
         # earlier top-up was interrupted and left its partial directory).
@@ -164,26 +185,45 @@ class Download:
                 if filters is None or old.file_filters is None
                 else sorted(set(old.file_filters) | set(filters))
             )
-        if req.size_bytes:
-            job.bytes_total = req.size_bytes
+        s = self.settings
+        endpoint = s.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
+        token = s.hf_token or await asyncio.to_thread(huggingface.stored_token)
+        hub = huggingface.Hub(
+            endpoint, token, job.cancel, pace=self._pace(job), waiting=job.waiting
+        )
+        repo_id = (req.model_id or "").strip().strip("/")
+
+        def resolve() -> tuple[str, list[huggingface.HubFile]]:
+            commit = hub.commit(repo_id)
+            files = hub.listing(repo_id, commit, filters)
+            for f in files:
+                hub.check_metadata(repo_id, commit, f)
+            return commit, files
+
+        commit, files = await asyncio.to_thread(resolve)
+        job.bytes_total = sum(f.want.size for f in files)
         if topup and old is not None:
             # The model stays where it is, recorded and usable, while the download runs: its
             # files are linked into the partial directory (no disk, no copy), and only the
             # finished snapshot replaces it. A failed or killed top-up leaves it as it was.
             await asyncio.to_thread(link_snapshot, target, partial, old)
+        digests: dict[str, str] = {}
 
         def fetch() -> None:
-            endpoint = self.settings.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
-            huggingface.download(
-                (req.model_id or "").strip().strip("/"),
-                partial,
-                token=self.settings.hf_token or None,
-                endpoint=endpoint,
-                allow_patterns=filters,
-                cancel=job.cancel.event,
-            )
+            try:
+                # Smallest first: the configs and tokenizers a resume keeps, then the weights.
+                for f in sorted(files, key=lambda f: (f.want.size, f.path)):
+                    digests[f.path] = "sha256:" + hub.fetch(repo_id, commit, f, partial, counter)
+            finally:
+                hub.close()
 
-        return _Plan(fetch, filters=filters, measure=partial)
+        return _Plan(fetch, filters=filters, digests=digests, revision=commit)
+
+    def _pace(self, job: PullJob) -> Callable[[int], None] | None:
+        cap = self.rate_cap
+        if cap is None or cap.bytes_per_s <= 0:
+            return None
+        return lambda n: cap.take(n, job.cancel)
 
     async def _run_monitored(
         self,
@@ -191,12 +231,8 @@ class Download:
         fetch: Callable[[], None],
         counter: ByteCounter,
         partial: Path,
-        measure: Path | None = None,
     ) -> None:
-        """Run `fetch` in a thread; report progress; abort on low disk or cancellation.
-
-        Progress is what the fetch counted, or (`measure`) the bytes on disk under that dir.
-        """
+        """Run `fetch` in a thread; report progress; abort on low disk or cancellation."""
         await asyncio.to_thread(partial.mkdir, parents=True, exist_ok=True)
         fut = asyncio.ensure_future(asyncio.to_thread(fetch))
         s = self.settings
@@ -207,14 +243,13 @@ class Download:
         try:
             while True:
                 done, _ = await asyncio.wait({fut}, timeout=0 if first else poll)
-                if measure is not None:
-                    counter.set(await asyncio.to_thread(huggingface.bytes_on_disk, measure))
                 now = time.monotonic()
                 speed = (counter.done - last_b) / (now - last_t) if now > last_t else None
                 if not first:
                     last_t, last_b = now, counter.done
+                waiting = job.waiting.reason
                 for r in job.reporters:
-                    r.downloading(counter.done, speed, force=first)
+                    r.downloading(counter.done, speed, force=first, waiting=waiting)
                 first = False
                 if done:
                     break
@@ -240,7 +275,6 @@ class Download:
     def _finalize(
         self, req: PullRequest, slug: str, partial: Path, target: Path, plan: _Plan
     ) -> ManifestEntry:
-        file_digests: dict[str, str] | None = None
         layers = plan.layers
         if layers:
             tree = partial / "tree"
@@ -251,11 +285,19 @@ class Download:
             src = tree
         else:
             src = partial
+            _drop_unchecked(partial, plan.digests)
+            file_digests = dict(plan.digests)
         files = inventory(src)
+        for rel, _size in files:
+            if rel not in file_digests:
+                # Unpacked from a checked directory layer: its sha256 is taken now, for verify.
+                file_digests[rel] = "sha256:" + hash_sha256(src / rel)
         sync_tree(src)  # whole files before the rename; the manifest's fsync covers the rename
         metadata = dict(req.metadata or {})
         if req.source == "harbor":
             metadata.setdefault("harbor_ref", req.harbor_ref)
+        if plan.revision:
+            metadata["revision"] = plan.revision
         entry = ManifestEntry(
             slug=slug,
             source_uri=req.base_uri,
@@ -295,7 +337,7 @@ def _outcome_of(fut: asyncio.Future[None]) -> None:
     """The finished fetch's result, its failures as the contract's statuses."""
     try:
         fut.result()
-    except (oci.Cancelled, huggingface.PullCancelled):
+    except Cancelled:
         raise asyncio.CancelledError() from None
     except PullError:
         raise
@@ -303,6 +345,18 @@ def _outcome_of(fut: asyncio.Future[None]) -> None:
         if err.errno == errno.ENOSPC:
             raise PullError(507, "insufficient_storage", "Insufficient disk space.") from err
         raise PullError(500, "model_pull_failed", f"{err}") from err
+
+
+def _drop_unchecked(partial: Path, checked: dict[str, str]) -> None:
+    """Remove what the pull did not check from its partial directory before it is placed: the
+    parts of files it did not fetch, and files the snapshot no longer has (a top-up's links to
+    files the repository has since dropped). Nothing of the recorded model is touched: these are
+    links or copies in `.partial`."""
+    shutil.rmtree(partial / huggingface.INCOMPLETE_DIR, ignore_errors=True)
+    for rel, _size in inventory(partial):
+        if rel not in checked:
+            log.warning("%s is not in the pulled snapshot; left out of it", rel)
+            (partial / rel).unlink(missing_ok=True)
 
 
 def _bytes_present(blobs: Path, layers: list[oci.Layer]) -> int:

@@ -1,35 +1,40 @@
-"""HuggingFace Hub snapshots, downloaded with huggingface_hub into a local directory.
+"""HuggingFace Hub snapshots, fetched over the Hub's HTTP API with our own client.
 
-`download` is blocking and runs in a worker thread. huggingface_hub keeps per-file metadata
-under `<local_dir>/.cache/huggingface/`, so a pull interrupted and started again skips every file
-it already completed (huggingface_hub 2.x resumes per file: a half-downloaded file is started
-over). Cancellation rides on the progress bar that snapshot_download updates for every chunk
-(10 MB): our bar class raises when the pull is cancelled, which unwinds the download. Progress
-is measured from the bytes on disk (`bytes_on_disk`), temporary files included.
+huggingface_hub (2.x) downloads each file to a temporary file of its own process and starts it
+over after any interruption, and checks no digest. Here a pull asks the Hub for the commit of
+the revision (`/api/models/<id>/revision/main`), lists its files with their digests
+(`/api/models/<id>/tree/<commit>?recursive=true`, paged: the sha256 of every LFS file, the git
+blob id of the others), checks each file's metadata (`HEAD .../resolve/<commit>/<path>`: the
+`X-Linked-Etag` and `X-Linked-Size` of an LFS file, or its `ETag` and length) against the
+listing, and fetches each file with `transfer.fetch_file`: resumable with Range requests,
+checked against its digest before it gets its name. Everything here blocks and runs in worker
+threads; every request is bounded (timeouts, answer sizes, listing pages, a rate floor).
 """
 
 from __future__ import annotations
 
-import errno
+import fnmatch
+import json
 import logging
 import os
 import stat
-import sys
-import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit
 
-from solar_host.model_store.pull import LowSpeedGuard, PullError
+from solar_host.model_store.pacing import Waiting, send_politely
+from solar_host.model_store.progress import ByteCounter
+from solar_host.model_store.pull import Interrupted, LowSpeedGuard, PullError, safe_relative
+from solar_host.model_store.streaming import Cancelled, CancelToken
+from solar_host.model_store.transfer import Want, check_in_place, fetch_file
 
 log = logging.getLogger(__name__)
 
-
-class PullCancelled(Exception):
-    """Raised inside a download thread when its pull was cancelled or aborted."""
-
-
-# huggingface_hub asks for the repo info and the file tree with no timeout at all (file
-# downloads have their own): every request of its shared client gets these where it has none.
+DEFAULT_ENDPOINT = "https://huggingface.co"
+# Every request is bounded; a file body's read timeout is huggingface_hub's own setting
+# (HF_HUB_DOWNLOAD_TIMEOUT, 10 s by default), read when the body is asked for.
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 # The file listing comes in pages of up to 1,000 entries, each linking to the next: a Hub that
@@ -39,126 +44,29 @@ MAX_LISTING_PAGES = 1000
 # The Hub's API answers (repository info, file listing pages) are read whole into memory:
 # one past this is refused. File downloads are not API answers, and are not capped.
 MAX_METADATA_BYTES = 64 << 20
-# A file body that keeps arriving at under MIN_RATE_BPS over RATE_WINDOW_S fails the pull: the
-# read timeout only catches silence, and huggingface_hub retries a timed-out body without end
-# as long as each try brought a byte (a peer trickling bytes would hold the pull for days).
+# A body that keeps arriving at under MIN_RATE_BPS over RATE_WINDOW_S fails the pull: the read
+# timeout only catches silence (a peer trickling bytes would hold the pull for days).
 MIN_RATE_BPS = 1024.0
 RATE_WINDOW_S = 60.0
-_pull_state = threading.local()  # the cancel event of the pull this thread runs
-_client_lock = threading.Lock()
-_client_installed = False
+# Where a file is written while it arrives (under the partial directory; never listed).
+INCOMPLETE_DIR = Path(".cache") / "solar-host"
 
 
-def _guard_request(request: Any) -> None:
-    """httpx request hook: stop a cancelled pull at its next request; bound every request."""
-    cancel = getattr(_pull_state, "cancel", None)
-    if cancel is not None and cancel.is_set():
-        raise PullCancelled("pull cancelled")
-    if "/tree/" in request.url.path and cancel is not None:
-        pages = getattr(_pull_state, "listing_pages", 0) + 1
-        _pull_state.listing_pages = pages
-        if pages > MAX_LISTING_PAGES:
-            raise PullError(
-                502,
-                "model_pull_failed",
-                f"The Hub's file listing of this repository ran past {MAX_LISTING_PAGES} pages "
-                f"({MAX_LISTING_PAGES * 1000} files); refusing to list further",
-            )
-    timeout = dict(request.extensions.get("timeout") or {})
-    for key, default in (
-        ("connect", CONNECT_TIMEOUT_S),
-        ("read", READ_TIMEOUT_S),
-        ("write", READ_TIMEOUT_S),
-        ("pool", READ_TIMEOUT_S),
-    ):
-        if timeout.get(key) is None:
-            timeout[key] = default
-    request.extensions["timeout"] = timeout
-
-
-def _bound_response(response: Any) -> None:
-    """httpx response hook: an API answer is refused past MAX_METADATA_BYTES, by its declared
-    length or, for one without, as its bytes arrive; any body that trickles in under
-    MIN_RATE_BPS fails."""
-    guard = LowSpeedGuard(
-        f"The Hub's answer for {response.request.url.path}", MIN_RATE_BPS, RATE_WINDOW_S
-    )
-    if not response.request.url.path.startswith("/api/"):
-        response.stream = _capped_stream(response.stream, response, None, guard)
-        return
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_METADATA_BYTES:
-        raise _too_big(response)
-    response.stream = _capped_stream(response.stream, response, MAX_METADATA_BYTES, guard)
-
-
-def _capped_stream(inner: Any, response: Any, limit: int | None, guard: LowSpeedGuard) -> Any:
-    # The response checks its stream against its own httpx's SyncByteStream (huggingface_hub
-    # may bring a fork of httpx under another name): take that class from the stream itself.
-    base = next((k for k in type(inner).__mro__ if k.__name__ == "SyncByteStream"), type(inner))
-
-    class Capped(base):  # type: ignore[misc,valid-type]
-        def __iter__(self) -> Any:
-            size = 0
-            for chunk in inner:
-                size += len(chunk)
-                if limit is not None and size > limit:
-                    raise _too_big(response)
-                guard.feed(len(chunk))
-                yield chunk
-
-        def close(self) -> None:
-            inner.close()
-
-    return Capped()
-
-
-def _too_big(response: Any) -> PullError:
-    return PullError(
-        502,
-        "model_pull_failed",
-        f"The Hub sent an answer over {MAX_METADATA_BYTES >> 20} MiB for "
-        f"{response.request.url.path}; refusing to read it",
-    )
-
-
-def _install_client() -> None:
-    global _client_installed
-    with _client_lock:
-        if _client_installed:
-            return
-        _client_installed = True
-        try:  # huggingface_hub 1.0 and later (httpx); the requests-based 0.x has neither
-            from huggingface_hub import set_client_factory
-            from huggingface_hub.utils import _http
-        except ImportError:
-            log.warning(
-                "huggingface_hub %s has no client factory: a Hub that stops answering its "
-                "metadata requests can hold a pull until it is cancelled (upgrade to 1.0+)",
-                getattr(sys.modules.get("huggingface_hub"), "__version__", "?"),
-            )
-            return
-
-        def factory() -> Any:
-            client = _http.default_client_factory()
-            hooks = client.event_hooks
-            hooks["request"] = [*hooks.get("request", []), _guard_request]
-            hooks["response"] = [*hooks.get("response", []), _bound_response]
-            client.event_hooks = hooks
-            return client
-
-        set_client_factory(factory)
+@dataclass(frozen=True)
+class HubFile:
+    path: str  # relative posix path in the repository (checked: no escape)
+    want: Want  # size and the digest the Hub publishes
 
 
 def bytes_on_disk(local_dir: Path) -> int:
-    """Bytes of regular files under `local_dir` (in-progress temporary files included)."""
+    """Bytes of regular files under `local_dir` (in-progress `.incomplete` files included)."""
     total = 0
     meta = os.path.join(str(local_dir), ".cache")
     for dirpath, _dirs, files in os.walk(local_dir):
         in_meta = dirpath == meta or dirpath.startswith(meta + os.sep)
         for fn in files:
             if in_meta and not fn.endswith(".incomplete"):
-                continue  # huggingface_hub's bookkeeping, not model bytes
+                continue  # bookkeeping, not model bytes
             try:
                 st = os.lstat(os.path.join(dirpath, fn))
             except OSError:
@@ -168,117 +76,275 @@ def bytes_on_disk(local_dir: Path) -> int:
     return total
 
 
-# The name snapshot_download (huggingface_hub 1.x, 2.x) gives the bar of the bytes written.
-# huggingface_hub checks a file's size against the announced one only once its body ended, so
-# a body that never ends would fill the disk down to MIN_FREE_DISK_GB first.
-BYTES_BAR = "huggingface_hub.snapshot_download"
+def stored_token() -> str | None:
+    """The token huggingface_hub would use (HF_TOKEN, or the one `hf auth login` stored)."""
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
 
 
-def _bar_class(cancel: threading.Event) -> type:
-    from huggingface_hub.utils import tqdm as hf_tqdm
+def matches(path: str, patterns: list[str] | None) -> bool:
+    """huggingface_hub's allow_patterns: fnmatch globs, a trailing "/" meaning the folder."""
+    if not patterns:
+        return True
+    return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in patterns)
 
-    class CountingBar(hf_tqdm):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            # The bytes bar: every file adds its announced size to `total` before its body
-            # is read, so more bytes than `total` is a body longer than announced.
-            self._bytes_bar = kwargs.get("name") == BYTES_BAR
-            self._received = 0.0
-            super().__init__(*args, **kwargs)
 
-        def update(self, n: float | None = 1) -> bool | None:
-            if cancel.is_set():
-                raise PullCancelled("pull cancelled")
-            self._received += n or 0
-            total = getattr(self, "total", None)
-            if self._bytes_bar and total is not None and self._received > total:
+class Hub:
+    """One pull's conversation with the Hub (blocking; run in a worker thread)."""
+
+    def __init__(
+        self,
+        endpoint: str | None,
+        token: str | None,
+        cancel: CancelToken,
+        *,
+        pace: Callable[[int], None] | None = None,
+        waiting: Waiting | None = None,
+    ) -> None:
+        import requests
+
+        self.endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
+        self.host = urlsplit(self.endpoint).netloc
+        self.token = token
+        self.cancel = cancel
+        self.pace = pace
+        self.waiting = waiting
+        self.session = requests.Session()
+        self.session.headers["User-Agent"] = "solar-host"
+
+    def close(self) -> None:
+        self.session.close()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _send(self, method: str, url: str, **kw: Any) -> Any:
+        """One request, its 429/503 answers waited out; transport failures as a 502."""
+        import requests
+
+        headers = dict(kw.pop("headers", None) or {})
+        # The token goes to the Hub only: requests drops it on a redirect to another host.
+        if self.token and urlsplit(url).netloc == self.host:
+            headers["Authorization"] = f"Bearer {self.token}"
+        kw.setdefault("timeout", (CONNECT_TIMEOUT_S, READ_TIMEOUT_S))
+
+        def once() -> Any:
+            if self.cancel.is_set():
+                raise Cancelled()
+            try:
+                return self.session.request(method, url, headers=headers, stream=True, **kw)
+            except requests.exceptions.RequestException as err:
+                if self.cancel.is_set():
+                    raise Cancelled() from err
+                raise Interrupted(f"HuggingFace Hub unreachable: {_first_line(err)}") from None
+
+        return send_politely(once, f"The Hub ({self.host})", self.cancel, self.waiting)
+
+    def _api(self, url: str) -> tuple[Any, Any]:
+        """GET an API answer: (its JSON, the response), read whole within MAX_METADATA_BYTES."""
+        resp = self._send("GET", url)
+        try:
+            _refuse(resp, url)
+            path = urlsplit(url).path
+            declared = resp.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > MAX_METADATA_BYTES:
+                raise _too_big(path)
+            guard = LowSpeedGuard(f"The Hub's answer for {path}", MIN_RATE_BPS, RATE_WINDOW_S)
+            data = bytearray()
+            forget = self.cancel.on_cancel(resp.close)
+            try:
+                for chunk in resp.iter_content(64 << 10):
+                    data += chunk
+                    guard.feed(len(chunk))
+                    if len(data) > MAX_METADATA_BYTES:
+                        raise _too_big(path)
+            except PullError:
+                raise
+            except Exception as err:
+                if self.cancel.is_set():
+                    raise Cancelled() from err
+                raise PullError(
+                    502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
+                ) from None
+            finally:
+                forget()
+        finally:
+            resp.close()
+        try:
+            return json.loads(data), resp
+        except (ValueError, RecursionError):
+            raise PullError(
+                502, "model_pull_failed", f"The Hub sent an unreadable answer for {path}"
+            ) from None
+
+    # --- the snapshot --------------------------------------------------------------------------
+
+    def commit(self, repo_id: str, revision: str = "main") -> str:
+        body, _ = self._api(f"{self.endpoint}/api/models/{repo_id}/revision/{quote(revision)}")
+        sha = body.get("sha") if isinstance(body, dict) else None
+        if not isinstance(sha, str) or not sha.isalnum():
+            raise PullError(502, "model_pull_failed", f"The Hub named no commit for {repo_id}")
+        return sha
+
+    def listing(self, repo_id: str, commit: str, patterns: list[str] | None) -> list[HubFile]:
+        """The repository's files at `commit` that `patterns` select, with their digests."""
+        url: str | None = f"{self.endpoint}/api/models/{repo_id}/tree/{commit}?recursive=true"
+        out: list[HubFile] = []
+        pages = 0
+        while url:
+            if pages >= MAX_LISTING_PAGES:
                 raise PullError(
                     502,
                     "model_pull_failed",
-                    f"The Hub sent more than the {int(total)} bytes it announced for the "
-                    "files; refusing to store the rest",
+                    f"The Hub's file listing of this repository ran past {MAX_LISTING_PAGES} "
+                    f"pages ({MAX_LISTING_PAGES * 1000} files); refusing to list further",
                 )
-            return None
+            pages += 1
+            items, resp = self._api(url)
+            if not isinstance(items, list):
+                raise PullError(502, "model_pull_failed", "The Hub sent a malformed file listing")
+            for item in items:
+                f = _hub_file(item)
+                if f is not None and matches(f.path, patterns):
+                    out.append(f)
+            url = resp.links.get("next", {}).get("url")
+        return out
 
-    return CountingBar
+    def check_metadata(self, repo_id: str, commit: str, f: HubFile) -> None:
+        """The file's own metadata (HEAD of its resolve URL) must agree with the listing."""
+        url = self._resolve_url(repo_id, commit, f.path)
+        identity = {"Accept-Encoding": "identity"}
+        resp = self._send("HEAD", url, allow_redirects=False, headers=identity)
+        resp.close()
+        if resp.status_code >= 400:
+            _refuse(resp, url)
+        h = resp.headers
+        etag = _etag(h.get("X-Linked-Etag") or h.get("ETag") or "")
+        size = h.get("X-Linked-Size") or (None if resp.is_redirect else h.get("Content-Length"))
+        if size is not None and size.isdigit() and int(size) != f.want.size:
+            raise PullError(
+                502,
+                "model_pull_failed",
+                f"The Hub's metadata of {f.path} disagree: the listing says {f.want.size} bytes, "
+                f"the file {size}",
+            )
+        if etag and len(etag) == len(f.want.hex) and etag != f.want.hex:
+            raise PullError(
+                502,
+                "model_pull_failed",
+                f"The Hub's metadata of {f.path} disagree: the listing says {f.want.digest}, "
+                f"the file {etag}",
+            )
+
+    def fetch(
+        self, repo_id: str, commit: str, f: HubFile, local_dir: Path, counter: ByteCounter
+    ) -> str:
+        """Put `f` at `local_dir/<path>`, checked; return its sha256 hex. A file already there
+        that matches the digest (kept from an interrupted pull, or linked from the model on
+        disk) is kept; any other is fetched again."""
+        final = local_dir / f.path
+        found = check_in_place(final, f.want)
+        if found is not None:
+            counter.add(f.want.size)
+            return found
+        final.unlink(missing_ok=True)
+        url = self._resolve_url(repo_id, commit, f.path)
+        from huggingface_hub import constants
+
+        timeout = (CONNECT_TIMEOUT_S, float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
+
+        def send(headers: dict[str, str]) -> Any:
+            resp = self._send("GET", url, headers=headers, timeout=timeout)
+            if resp.status_code in (200, 206):
+                return resp
+            resp.close()
+            _refuse(resp, url)
+            raise PullError(
+                502, "source_unreachable", f"The Hub answered {resp.status_code} for {f.path}"
+            )
+
+        part = local_dir / INCOMPLETE_DIR / f"{f.path}.incomplete"
+        guard = LowSpeedGuard(f"The Hub's body of {f.path}", MIN_RATE_BPS, RATE_WINDOW_S)
+        return fetch_file(send, f.want, part, final, counter, self.cancel, guard, self.pace)
+
+    def _resolve_url(self, repo_id: str, commit: str, path: str) -> str:
+        return f"{self.endpoint}/{repo_id}/resolve/{commit}/{quote(path)}"
 
 
 def download(
-    model_id: str,
+    hub: Hub,
+    repo_id: str,
     local_dir: Path,
-    *,
-    token: str | None,
-    endpoint: str | None,
-    allow_patterns: list[str] | None,
-    cancel: threading.Event,
-) -> None:
-    from huggingface_hub import snapshot_download
-
-    local_dir.mkdir(parents=True, exist_ok=True)
-    _install_client()
-    _pull_state.cancel = cancel
-    _pull_state.listing_pages = 0
-    try:
-        snapshot_download(
-            repo_id=model_id,
-            local_dir=str(local_dir),
-            token=token or None,
-            endpoint=endpoint or None,
-            allow_patterns=allow_patterns or None,
-            tqdm_class=_bar_class(cancel),
-            max_workers=4,
-        )
-    except (PullCancelled, PullError):
-        raise
-    except Exception as err:
-        if cancel.is_set():
-            raise PullCancelled("pull cancelled") from err
-        raise map_error(err) from err
-    finally:
-        _pull_state.cancel = None
+    patterns: list[str] | None,
+    counter: ByteCounter,
+) -> dict[str, str]:
+    """Fetch the snapshot's files that `patterns` select into `local_dir`, each checked;
+    return {path: "sha256:<hex>"}."""
+    commit = hub.commit(repo_id)
+    files = hub.listing(repo_id, commit, patterns)
+    for f in files:
+        hub.check_metadata(repo_id, commit, f)
+    digests = {}
+    for f in files:
+        digests[f.path] = "sha256:" + hub.fetch(repo_id, commit, f, local_dir, counter)
+    return digests
 
 
-def map_error(err: BaseException) -> PullError:
-    """huggingface_hub's errors as the contract's statuses."""
-    from huggingface_hub import errors as hf
+def _hub_file(item: Any) -> HubFile | None:
+    """A listing entry as a HubFile (None for a directory); a malformed one is a 502."""
+    if not isinstance(item, dict) or item.get("type") != "file":
+        return None
+    path, size, lfs = item.get("path"), item.get("size"), item.get("lfs")
+    if not isinstance(path, str) or not isinstance(size, int) or size < 0:
+        raise PullError(502, "model_pull_failed", f"The Hub listed a malformed file: {item!r:.200}")
+    path = safe_relative(path)
+    if isinstance(lfs, dict) and isinstance(lfs.get("oid"), str):
+        digest, lfs_size = f"sha256:{lfs['oid']}", lfs.get("size", size)
+        if lfs_size != size:
+            raise PullError(
+                502, "model_pull_failed", f"The Hub listed {path} at {size} and {lfs_size} bytes"
+            )
+    elif isinstance(item.get("oid"), str):
+        digest = f"gitsha1:{item['oid']}"
+    else:
+        raise PullError(502, "model_pull_failed", f"The Hub listed {path} with no digest")
+    hexd = digest.split(":", 1)[1]
+    if not all(c in "0123456789abcdef" for c in hexd) or len(hexd) not in (40, 64):
+        raise PullError(502, "model_pull_failed", f"The Hub listed {path} with digest {digest}")
+    return HubFile(path, Want(path, size, digest))
 
-    if isinstance(err, PullError):
-        return err
-    if isinstance(err, hf.GatedRepoError):
-        return PullError(401, "auth_failed", f"Access to the repository is restricted: {err}")
-    if isinstance(err, hf.RepositoryNotFoundError):
-        status = getattr(getattr(err, "response", None), "status_code", None)
-        if status in (401, 403):
-            return PullError(401, "auth_failed", f"Authentication failed: {_first_line(err)}")
-        return PullError(404, "not_found", f"Repository not found: {_first_line(err)}")
-    if isinstance(err, hf.RevisionNotFoundError | hf.RemoteEntryNotFoundError):
-        return PullError(404, "not_found", _first_line(err))
-    if isinstance(err, hf.HfHubHTTPError):
-        status = getattr(getattr(err, "response", None), "status_code", None)
-        if status in (401, 403):
-            return PullError(401, "auth_failed", f"Authentication failed: {_first_line(err)}")
-        return PullError(502, "source_unreachable", f"HuggingFace Hub error: {_first_line(err)}")
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        return PullError(507, "insufficient_storage", "Insufficient disk space.")
-    if isinstance(err, hf.LocalEntryNotFoundError | ConnectionError | TimeoutError):
-        return PullError(
-            502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
-        )
-    mod = type(err).__module__
-    if mod.startswith(("httpx", "httpcore", "requests", "urllib3")):
-        return PullError(
-            502, "source_unreachable", f"HuggingFace Hub unreachable: {_first_line(err)}"
-        )
-    # The client's own checks of what the Hub sent: a file name that leaves the directory (a
-    # ValueError; the request itself was validated before the pull), a body whose size is not
-    # the one announced (an OSError with no errno: no system call failed).
-    if isinstance(err, ValueError) or (isinstance(err, OSError) and err.errno is None):
-        return PullError(
-            502,
-            "model_pull_failed",
-            f"HuggingFace Hub sent what cannot be stored: {_first_line(err)}",
-        )
-    return PullError(500, "model_pull_failed", f"{type(err).__name__}: {_first_line(err)}")
+
+def _refuse(resp: Any, url: str) -> None:
+    """Raise the contract's error for a Hub answer that is not a success."""
+    status = resp.status_code
+    if status < 400:
+        return
+    code = resp.headers.get("X-Error-Code", "")
+    what = urlsplit(url).path
+    if code == "GatedRepo":
+        raise PullError(401, "auth_failed", f"Access to the repository is restricted ({what})")
+    if status in (401, 403):
+        raise PullError(401, "auth_failed", f"Authentication failed: the Hub answered {status}")
+    if status == 404:
+        if code in ("RepoNotFound", ""):
+            raise PullError(404, "not_found", f"Repository not found: {what}")
+        raise PullError(404, "not_found", f"{code}: {what}")
+    raise PullError(502, "source_unreachable", f"HuggingFace Hub error: {status} for {what}")
+
+
+def _etag(value: str) -> str:
+    return value.strip().removeprefix("W/").strip('"')
+
+
+def _too_big(path: str) -> PullError:
+    return PullError(
+        502,
+        "model_pull_failed",
+        f"The Hub sent an answer over {MAX_METADATA_BYTES >> 20} MiB for {path}; refusing to "
+        "read it",
+    )
 
 
 def _first_line(err: BaseException) -> str:

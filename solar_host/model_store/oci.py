@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from solar_host.model_store import streaming
 from solar_host.model_store.layers import Layer, parse_layers
+from solar_host.model_store.pacing import Waiting, send_politely
 from solar_host.model_store.progress import ByteCounter
-from solar_host.model_store.pull import LowSpeedGuard, PullError
-from solar_host.model_store.streaming import (
-    BUF_SIZE,
-    Cancelled,
-    CancelToken,
-    abort_response,
-    durable_rename,
-    stream_body,
-)
+from solar_host.model_store.pull import Interrupted, LowSpeedGuard, PullError
+from solar_host.model_store.streaming import Cancelled, CancelToken
+from solar_host.model_store.transfer import Want, fetch_file
 
 __all__ = ["CancelToken", "Cancelled", "Layer", "Registry", "parse_registry_url"]
 
@@ -89,10 +83,21 @@ def parse_registry_url(url: str) -> tuple[str, str]:
 
 class Registry:
     def __init__(
-        self, url: str, username: str, password: str, *, read_timeout_s: float | None = None
+        self,
+        url: str,
+        username: str,
+        password: str,
+        *,
+        read_timeout_s: float | None = None,
+        pace: Callable[[int], None] | None = None,
+        waiting: Waiting | None = None,
+        cancel: CancelToken | None = None,
     ) -> None:
         import oras.client
 
+        self.pace = pace  # told of every byte of a blob read (the host's rate cap)
+        self.waiting = waiting  # where a wait the registry asked for is reported
+        self.cancel = cancel or CancelToken()
         self.scheme, self.host = parse_registry_url(url)
         self.client = oras.client.OrasClient(
             hostname=self.host, insecure=self.scheme == "http", auth_backend="token"
@@ -163,20 +168,23 @@ class Registry:
                 502, "source_unreachable", f"TLS error talking to {self.host}: {err}"
             ) from None
         except requests.exceptions.RequestException as err:
-            raise PullError(
-                502, "source_unreachable", f"Registry {self.host} unreachable: {err}"
-            ) from None
+            raise Interrupted(f"Registry {self.host} unreachable: {err}") from None
 
     def manifest(self, repository: str, reference: str) -> tuple[list[Layer], str | None]:
         import json
 
         import requests
 
-        resp = self.request(
-            "GET",
-            f"/v2/{repository}/manifests/{reference}",
-            {"Accept": ", ".join(MANIFEST_TYPES)},
-            stream=True,
+        resp = send_politely(
+            lambda: self.request(
+                "GET",
+                f"/v2/{repository}/manifests/{reference}",
+                {"Accept": ", ".join(MANIFEST_TYPES)},
+                stream=True,
+            ),
+            f"Registry {self.host}",
+            self.cancel,
+            self.waiting,
         )
         try:
             if resp.status_code == 404:
@@ -229,69 +237,28 @@ class Registry:
         that survived a crash must never point at a file whose data did not.
         """
         final = blobs / f"sha256-{layer.hex}"
-        if final.is_file() and final.stat().st_size == layer.size:
-            counter.add(layer.size)
-            return final
-        blobs.mkdir(parents=True, exist_ok=True)
-        part = blobs / f"sha256-{layer.hex}.part"
-        started = part.is_file()
-        have = part.stat().st_size if started else 0
-        if have > layer.size:
-            part.unlink()
-            have, started = 0, False
-        hasher = hashlib.sha256()
-        if have:
-            with open(part, "rb") as f:
-                while block := f.read(BUF_SIZE * 4):
-                    hasher.update(block)
-        if started and have == layer.size:
-            # Whole but not renamed (interrupted between the last byte and the rename): a Range
-            # request would be refused (416), so check it here and keep it or start over.
-            if hasher.hexdigest() == layer.hex:
-                durable_rename(part, final)
-                counter.add(have)
-                return final
-            part.unlink()
-            have, hasher = 0, hashlib.sha256()
-        headers = {"Range": f"bytes={have}-"} if have else {}
-        resp = self.request("GET", f"/v2/{repository}/blobs/{layer.digest}", headers, stream=True)
-        forget = cancel.on_cancel(lambda: abort_response(resp))
-        fd = -1
-        try:
+        path = f"/v2/{repository}/blobs/{layer.digest}"
+
+        def send(headers: dict[str, str]) -> Any:
+            resp = send_politely(
+                lambda: self.request("GET", path, headers, stream=True),
+                f"Registry {self.host}",
+                cancel,
+                self.waiting,
+            )
+            if resp.status_code in (200, 206):
+                return resp
+            resp.close()
             if resp.status_code == 404:
                 raise PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
-            if resp.status_code == 200 and have:
-                have, hasher = 0, hashlib.sha256()  # the registry ignored the Range: start over
-            elif resp.status_code not in (200, 206):
-                raise PullError(
-                    502,
-                    "source_unreachable",
-                    f"Registry answered {resp.status_code} for blob {layer.digest}",
-                )
-            counter.add(have)
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT, 0o644)
-            guard = LowSpeedGuard("The registry's blob download", MIN_RATE_BPS, RATE_WINDOW_S)
-            got = have + stream_body(
-                resp, fd, have, layer.size - have, hasher, counter, cancel, guard
+            raise PullError(
+                502,
+                "source_unreachable",
+                f"Registry answered {resp.status_code} for blob {layer.digest}",
             )
-            if cancel.is_set():
-                raise Cancelled()
-            if got != layer.size or hasher.hexdigest() != layer.hex:
-                os.close(fd)
-                fd = -1
-                part.unlink(missing_ok=True)
-                raise PullError(
-                    502,
-                    "model_pull_failed",
-                    f"Pulled artifact integrity check failed: {layer.title or layer.digest}: "
-                    f"digest mismatch (got sha256:{hasher.hexdigest()} / {got} bytes, "
-                    f"want {layer.digest} / {layer.size} bytes)",
-                )
-            streaming.make_durable(fd)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            forget()
-            resp.close()
-        os.replace(part, final)
+
+        want = Want(layer.title or layer.digest, layer.size, layer.digest)
+        guard = LowSpeedGuard("The registry's blob download", MIN_RATE_BPS, RATE_WINDOW_S)
+        part = blobs / f"sha256-{layer.hex}.part"
+        fetch_file(send, want, part, final, counter, cancel, guard, self.pace)
         return final

@@ -96,15 +96,13 @@ def remove_if_empty(path: Path) -> None:
 
 
 def link_snapshot(target: Path, partial: Path, entry: ManifestEntry) -> None:
-    """Give `partial` the recorded files of the snapshot in `target`, as hard links, with the
-    metadata huggingface_hub keeps of them (copied: it rewrites those files in place), so that
-    a download into `partial` fetches only what is missing.
+    """Give `partial` the recorded files of the model in `target`, as hard links, so that a
+    download into `partial` fetches only what is missing.
 
-    A recorded file whose size changed is damaged: neither it nor its metadata is carried over
-    (huggingface_hub would keep it, its metadata saying it is complete), so it is fetched
-    again. What `partial` already holds (an interrupted top-up) is kept.
+    A recorded file whose size changed is damaged and not carried over; every file carried
+    over is checked against its source's digest before it is kept (huggingface.Hub.fetch).
+    What `partial` already holds (an interrupted top-up) is kept, and checked alike.
     """
-    meta = Path(".cache") / "huggingface" / "download"
     for rel, size in (entry.file_sizes or {}).items():
         try:
             src = confine(rel, target, what="recorded file")
@@ -117,20 +115,16 @@ def link_snapshot(target: Path, partial: Path, entry: ManifestEntry) -> None:
                 continue
         except OSError:
             continue  # missing: fetched again
-        _carry(src, dst, copy=False)
-        _carry(target / meta / f"{rel}.metadata", partial / meta / f"{rel}.metadata", copy=True)
+        _carry(src, dst)
 
 
-def _carry(src: Path, dst: Path, *, copy: bool) -> None:
-    """Link (or copy) `src` to `dst` unless `dst` exists; a file that cannot be linked (a
-    filesystem without hard links) is left to be fetched again."""
+def _carry(src: Path, dst: Path) -> None:
+    """Link `src` to `dst` unless `dst` exists; a file that cannot be linked (a filesystem
+    without hard links) is left to be fetched again."""
     if dst.exists() or not src.is_file():
         return
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if copy:
-            shutil.copy2(src, dst)
-        else:
-            os.link(src, dst)
+        os.link(src, dst)
     except OSError as err:
         log.warning("cannot reuse %s for the pull (%s); fetching it again", src, err)

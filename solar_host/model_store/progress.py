@@ -57,6 +57,7 @@ class PullReporter:
         self.terminal_sent = False
         self.bytes_done: int | None = None
         self.speed_bps: float | None = None
+        self.waiting: str | None = None  # why no bytes come now (a 429's Retry-After), if so
 
     def _send(self, phase: str, error: str | None = None) -> None:
         if self.terminal_sent:
@@ -70,6 +71,8 @@ class PullReporter:
             "bytes_total": self.bytes_total,
             "speed_bps": self.speed_bps,
         }
+        if self.waiting is not None and phase == "downloading":
+            payload["waiting"] = self.waiting
         if error is not None:
             payload["error"] = error
         try:
@@ -80,11 +83,21 @@ class PullReporter:
     def phase(self, phase: str) -> None:
         self._send(phase)
 
-    def downloading(self, bytes_done: int, speed_bps: float | None, *, force: bool = False) -> None:
-        """Report download progress at most every `interval_s` (unless forced)."""
+    def downloading(
+        self,
+        bytes_done: int,
+        speed_bps: float | None,
+        *,
+        force: bool = False,
+        waiting: str | None = None,
+    ) -> None:
+        """Report download progress at most every `interval_s` (unless forced, or the pull
+        starts or stops waiting: that is said at once)."""
         now = self._clock()
         self.bytes_done = bytes_done
         self.speed_bps = speed_bps
+        force = force or waiting != self.waiting
+        self.waiting = waiting
         if (
             not force
             and self._last_download_at is not None

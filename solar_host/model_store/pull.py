@@ -42,6 +42,14 @@ class PullError(Exception):
         }
 
 
+class Interrupted(PullError):
+    """A transfer cut short by the network (a dropped connection, a read that timed out): what
+    arrived is kept, and the transfer may be resumed from it."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(502, "source_unreachable", detail)
+
+
 class LowSpeedGuard:
     """curl's --speed-limit/--speed-time for one response body: a body that keeps coming, but
     at under `min_bps` bytes/s over `window_s` seconds, fails the pull.

@@ -21,6 +21,7 @@ from solar_host.model_store.catalog import SLUG_RE, StoreError, local_models, re
 from solar_host.model_store.deletion import InUse, delete_model
 from solar_host.model_store.download import Download, PullJob
 from solar_host.model_store.manifest import Manifest, ManifestEntry
+from solar_host.model_store.pacing import RateCap
 from solar_host.model_store.placement import PARTIAL, recover_replaced, replaced_path
 from solar_host.model_store.progress import ProgressCallback, PullReporter
 from solar_host.model_store.pull import (
@@ -32,6 +33,7 @@ from solar_host.model_store.pull import (
     split_ref,
 )
 from solar_host.model_store.sources import SourceError, confine, repo_base_uri, slug_for
+from solar_host.model_store.verify import verify_model
 from solar_host.resources.probes import disk_usage
 from solar_host.settings import Settings
 
@@ -49,6 +51,8 @@ class ModelStore:
         self.probe = probe
         self.in_use: InUse | None = None
         self._jobs: dict[str, PullJob] = {}
+        # One cap for every pull of this host (PULL_MAX_BYTES_PER_S).
+        self._rate_cap = RateCap(settings.pull_max_bytes_per_s)
         # slug -> [lock, holders and waiters]: a delete and a pull's "is the copy on disk
         # usable" check of one model take turns (see _model_turn).
         self._turns: dict[str, list[Any]] = {}
@@ -64,7 +68,7 @@ class ModelStore:
         return Manifest(self.models_dir)
 
     def _download(self) -> Download:
-        return Download(self.settings, self.manifest, self._free_bytes)
+        return Download(self.settings, self.manifest, self._free_bytes, self._rate_cap)
 
     async def start(self) -> None:
         await asyncio.to_thread(self.manifest.ensure)
@@ -290,7 +294,7 @@ class ModelStore:
 
     # --- delete ------------------------------------------------------------------------------
 
-    def _entry_for_slug(self, slug: str) -> tuple[ManifestEntry, Path]:
+    def _entry_for_slug(self, slug: str, doing: str = "delete") -> tuple[ManifestEntry, Path]:
         if not SLUG_RE.match(slug) or slug in (".", "..") or slug == PARTIAL:
             raise StoreError(400, f"Invalid model name '{slug}'")
         entry = self.manifest.get_slug(slug)
@@ -299,9 +303,11 @@ class ModelStore:
         try:
             root = confine(entry.path, self.models_dir, what="model directory")
         except SourceError as err:
-            raise StoreError(409, f"{err}; refusing to delete it") from None
+            raise StoreError(409, f"{err}; refusing to {doing} it") from None
         if root == self.models_dir.resolve():
-            raise StoreError(409, "model entry points at MODELS_DIR itself; refusing to delete it")
+            raise StoreError(
+                409, f"model entry points at MODELS_DIR itself; refusing to {doing} it"
+            )
         return entry, root
 
     @contextlib.asynccontextmanager
@@ -326,6 +332,15 @@ class ModelStore:
             if any(slug_for_safe(base) == slug for base in self._jobs):
                 raise StoreError(409, f"Model '{slug}' is being pulled")
             return await asyncio.to_thread(self._delete, slug, filters)
+
+    async def verify(self, slug: str) -> dict[str, Any]:
+        """Read a recorded model's files again and check them against the recorded digests."""
+        async with self._model_turn(slug):
+            return await asyncio.to_thread(self._verify, slug)
+
+    def _verify(self, slug: str) -> dict[str, Any]:
+        entry, root = self._entry_for_slug(slug, "verify")
+        return verify_model(entry, root)
 
     def _delete(self, slug: str, filters: list[str] | None) -> dict[str, Any]:
         entry, root = self._entry_for_slug(slug)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.model_store.progress import ByteCounter
-from solar_host.model_store.pull import LowSpeedGuard, PullError
+from solar_host.model_store.pull import Interrupted, LowSpeedGuard, PullError
 
 # A body that keeps arriving at under MIN_RATE_BPS over RATE_WINDOW_S fails the pull (a read
 # timeout alone lets a peer trickle a byte a minute for ever); what came stays for a resume.
@@ -210,11 +210,14 @@ def stream_body(
     counter: ByteCounter,
     cancel: CancelToken,
     guard: LowSpeedGuard | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> int:
     """Write the body (`expected` bytes) to `fd` from `offset`, hashing it on the way.
 
     Every byte received is written before this returns, whatever ends the stream (a cancel
     closes the socket under a blocked read), so a resume continues exactly where it stopped.
+    `pace(n)` is told of every `n` bytes read and may wait (a rate cap). A body that goes on
+    past `expected` bytes is refused: its size was announced, and the rest is never stored.
     """
     os.ftruncate(fd, offset)
     os.lseek(fd, offset, os.SEEK_SET)
@@ -238,6 +241,8 @@ def stream_body(
                         break
                     n += got
                     guard.feed(got)
+                    if pace is not None:
+                        pace(got)
             except Exception as err:
                 failure = err
             if n:
@@ -252,15 +257,28 @@ def stream_body(
     if isinstance(failure, PullError):
         raise failure
     if failure is not None:
-        raise PullError(502, "source_unreachable", f"Download interrupted: {failure}") from failure
+        raise Interrupted(f"Download interrupted: {failure}") from failure
     if written < expected:
+        raise Interrupted(
+            f"Download interrupted: the server closed the connection after "
+            f"{offset + written} of {offset + expected} bytes"
+        )
+    if _more(read):
         raise PullError(
             502,
-            "source_unreachable",
-            f"Download interrupted: the server closed the connection after "
-            f"{offset + written} of {offset + expected} bytes",
+            "model_pull_failed",
+            f"{guard.what} sent more than the {offset + expected} bytes announced; refusing to "
+            "store the rest",
         )
     return written
+
+
+def _more(read: Callable[[memoryview], int]) -> bool:
+    """Whether the body goes on past what was read (a body that ended reads nothing)."""
+    try:
+        return read(memoryview(bytearray(1))) > 0
+    except Exception:
+        return False  # the connection closed: nothing more came
 
 
 _sync_file_range: Any = None
