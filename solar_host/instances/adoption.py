@@ -15,16 +15,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import time
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
+from solar_host.backends.base import Backend
+from solar_host.estimates.hooks import end_start, hold_adopted
 from solar_host.instances import ownership
 from solar_host.instances import process as procs
-from solar_host.instances.store import ProcessRecord
+from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
+from solar_host.instances.health import AttemptFailed
+from solar_host.instances.httpcheck import is_healthy, probe_address
+from solar_host.instances.lease import Lease
+from solar_host.instances.logs import LogFollower, LogRing, count_lines, tail_lines
+from solar_host.instances.states import InstanceStatus
+from solar_host.instances.store import ProcessRecord, StoredInstance
+from solar_host.instances.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from solar_host.instances.context import SupervisorContext
+    from solar_host.platform.logging_setup import Redactor
 
 log = logging.getLogger(__name__)
+S = InstanceStatus
 
 
 def recorded_process(
@@ -205,3 +223,360 @@ async def end_remains(rec: ProcessRecord, instance_id: str) -> list[str]:
     gone = procs.BackendProcess(ident, None, port=rec.port)
     await procs.end_tree_leftovers(gone)
     return gone.left_behind
+
+
+# --- taking a backend back: the flow ------------------------------------------------------------
+
+# How long a backend that was running when the host went away has, once re-adopted, to show
+# its listening socket again before it is handled as a crash (it is not loading: it was ready).
+ADOPTED_RELISTEN_S = 10.0
+
+
+class Supervising(Protocol):
+    """What the adoption flow uses of an instance's supervisor (supervisor.py): its records,
+    its one status writer, and the start, stop and crash steps adoption hands over to."""
+
+    id: str
+    ctx: SupervisorContext
+    stored: StoredInstance
+    lease: Lease | None
+    lock: asyncio.Lock
+    deleted: bool
+    counters: dict[str, int]
+    ring: LogRing
+    telemetry: Telemetry
+    start_task: asyncio.Task[Any] | None
+    stop_task: asyncio.Task[Any] | None
+    adopt_task: asyncio.Task[Any] | None
+    ready: asyncio.Event | None
+
+    @property
+    def instance(self) -> Any: ...
+    @property
+    def status(self) -> InstanceStatus: ...
+    @property
+    def proc(self) -> procs.BackendProcess | None: ...
+    @property
+    def follower(self) -> LogFollower | None: ...
+    def backend(self) -> Backend: ...
+    def set_status(
+        self, new: InstanceStatus, *, reason: str = "", recovery: bool = False, **fields: Any
+    ) -> None: ...
+    def watch(self, proc: procs.BackendProcess) -> None: ...
+    def follow(self, path: Path, offset: int, ready_check: Backend | None) -> None: ...
+    def wait_ready(
+        self, proc: procs.BackendProcess, backend: Backend, host: str, port: int, timeout: float
+    ) -> Awaitable[None]: ...
+    async def release(self) -> None: ...
+    def after_stop_hook(self) -> None: ...
+    def tail(self) -> list[str]: ...
+    def bearer(self) -> str: ...
+    def redactor(self) -> Redactor: ...
+    async def run_start(
+        self,
+        *,
+        restart: bool = False,
+        attempts: int | None = None,
+        deadline: float | None = None,
+        undo_intent: bool = False,
+    ) -> Any: ...
+    async def record_crash(
+        self, proc: procs.BackendProcess, reason: str, code: int | None
+    ) -> None: ...
+    async def record_stopped(self, left_behind: list[str] | None = None) -> None: ...
+    async def begin_start(
+        self, *, undo_intent: bool | None = None, restart_op: bool = False
+    ) -> None: ...
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def adopt(
+    sup: Supervising,
+    listening: dict[int, set[int]] | None = None,
+    ours: dict[str, list[ownership.Identity]] | None = None,
+) -> str:
+    """Take back a backend the host left running, fast: identity, marker and listener only
+    (the API binds only after every supervisor answered). Slower work (log attach, health,
+    readiness of a backend still loading) continues in the background.
+
+    Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
+    host died: it is finished in the background) or "gone" (nothing of ours to adopt).
+    `listening`: ownership.listeners() read once for every adoption of a boot; `ours`:
+    ownership.ours_running(), idem. A backend that carries this instance's marker is
+    adopted even when config.json does not record it (see unrecorded_process).
+    """
+    rec = sup.stored.process
+    proc: procs.BackendProcess | None = None
+    recorded = False  # the recorded process itself (not a marker carrier found without it)
+    if rec is not None:
+        proc, why = await asyncio.to_thread(recorded_process, rec, sup.ctx.marker(sup.id))
+        recorded = proc is not None
+        if proc is None:
+            log.info("recorded backend pid %s of %s is not adopted: %s", rec.pid, sup.id, why)
+        else:
+            fixed = await asyncio.to_thread(port_as_spawned, proc, rec, sup.id)
+            if fixed is not rec:
+                sup.stored.process = rec = fixed
+    inst = sup.instance
+    # What the records say was going on; a backend found without a record was starting.
+    status = inst.status
+    carrying = (ours or {}).get(sup.id)
+    if proc is None and sup.stored.want_running and carrying:
+        found = await asyncio.to_thread(
+            unrecorded_process,
+            rec,
+            carrying,
+            listening,
+            marker=sup.ctx.marker(sup.id),
+            configured_port=inst.config.port,
+            log_dir=Path(sup.ctx.settings.log_dir),
+            instance_id=sup.id,
+        )
+        if found is not None:
+            proc, rec = found
+            sup.stored.process = rec
+            if status not in (S.RUNNING, S.STARTING):
+                status = S.STARTING
+            log.warning(
+                "re-adopted backend pid %s of %s on port %s by its marker: config.json "
+                "did not record it (a host killed right after the spawn, or a restored "
+                "older copy)",
+                proc.pid,
+                sup.id,
+                rec.port,
+            )
+    if proc is None or rec is None:
+        if rec is not None:
+            left = await end_remains(rec, sup.id)
+            if left:
+                sup.stored.instance.error_message = "; ".join(left)
+        sup.stored.process = None
+        return "gone"
+    sup.lease = Lease(proc, rec.port, sup.ctx.ports)
+    sup.ctx.ports.claim_adopted(rec.port)
+    if status in (S.STOPPING, S.STOPPED, S.FAILED) or not sup.stored.want_running:
+        # The operator's last word was a stop (or a restart, whose stop comes first).
+        sup.set_status(
+            S.STOPPING, reason="finishing stop", recovery=True, pid=proc.pid, port=rec.port
+        )
+        # Its own task, not a start: a start asked for meanwhile waits for it, then starts.
+        sup.stop_task = asyncio.create_task(finish_stop(sup), name=f"stop:{sup.id}")
+        return "stopping"
+    listening_ours = await asyncio.to_thread(
+        ownership.owns_port, proc.identity, rec.port, proc.marker, listening
+    )
+    backend = sup.backend()
+    config = inst.config
+    fields: dict[str, Any] = {
+        "pid": proc.pid,
+        "port": rec.port,
+        "supported_endpoints": backend.supported_endpoints(config),
+        "served_model_name": backend.served_model_name(config),
+    }
+    if status == S.RUNNING and listening_ours:
+        sup.set_status(
+            S.RUNNING,
+            reason="adopted",
+            recovery=True,
+            started_at=inst.started_at or datetime.now(UTC),
+            **fields,
+        )
+        sup.watch(proc)
+        sup.adopt_task = asyncio.create_task(
+            attach_adopted(sup, proc, rec, loading=False), name=f"adopt:{sup.id}"
+        )
+        log.info("re-adopted backend pid %s of %s on port %s", proc.pid, sup.id, rec.port)
+        return "running"
+    # Still loading (or not listening yet): awaited in the background under the deadline
+    # of the start that spawned it, never killed and loaded again. One that was running
+    # was ready already: it gets a moment to show its socket, then it is a crash.
+    was_ready = recorded and status == S.RUNNING
+    sup.set_status(S.STARTING, reason="adopted", recovery=True, started_at=None, **fields)
+    sup.ready = asyncio.Event()
+    # Held before boot starts anything else, as the start that spawned it held it.
+    await hold_adopted(sup)
+    sup.start_task = asyncio.create_task(
+        adopted_loading(sup, proc, rec, was_ready=was_ready), name=f"adopt:{sup.id}"
+    )
+    # Its failure is logged where it fails and answered to a start that joined it: not
+    # asyncio's "exception was never retrieved" traceback when none did.
+    sup.start_task.add_done_callback(_retrieved)
+    log.info(
+        "re-adopted backend pid %s of %s on port %s, still loading", proc.pid, sup.id, rec.port
+    )
+    return "starting"
+
+
+async def adopted_loading(
+    sup: Supervising, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
+) -> Any:
+    try:
+        return await attach_adopted(sup, proc, rec, loading=True, was_ready=was_ready)
+    finally:
+        end_start(sup)  # its memory is in the probe's figures from now on, or gone
+
+
+async def attach_adopted(
+    sup: Supervising,
+    proc: procs.BackendProcess,
+    rec: ProcessRecord,
+    *,
+    loading: bool,
+    was_ready: bool = False,
+) -> Any:
+    """Background half of an adoption: follow the log, then await readiness (loading) or
+    check health once (running; a slow answer is logged, never a reason to replace it)."""
+    backend = sup.backend()
+    config = sup.instance.config
+    if not loading:
+        await asyncio.to_thread(procs.note_listener, proc, rec.port)
+    else:
+        proc.port = rec.port
+    log_path = Path(rec.log_file) if rec.log_file else None
+    if log_path is not None:
+        # Continue the log where it is: seq = the attempt's base + lines already in the file.
+        lines, size = await asyncio.to_thread(count_lines, log_path)
+        tail = await asyncio.to_thread(tail_lines, log_path, sup.ctx.settings.log_buffer_size)
+        sup.ring.rebase(rec.seq_base + lines - len(tail))
+        redact = sup.redactor()
+        sup.ring.append_many([redact(line) for line in tail], datetime.now(UTC).isoformat())
+        sup.telemetry.reset(backend.new_parser(config))
+        sup.follow(log_path, offset=size, ready_check=backend if loading else None)
+        if sup.ready is not None and any(backend.is_ready_line(ln) for ln in tail):
+            sup.ready.set()
+        if sup.follower is not None and not loading:
+            sup.follower.hot_polling = True
+    if not loading:
+        if backend.health_path and not await is_healthy(
+            probe_address(config.host), rec.port, backend.health_path, sup.bearer(), 10.0
+        ):
+            log.warning(
+                "re-adopted backend pid %s of %s does not answer %s yet",
+                proc.pid,
+                sup.id,
+                backend.health_path,
+            )
+        return sup.instance
+    return await await_adopted_ready(sup, proc, rec, was_ready=was_ready)
+
+
+async def await_adopted_ready(
+    sup: Supervising, proc: procs.BackendProcess, rec: ProcessRecord, *, was_ready: bool = False
+) -> Any:
+    settings = sup.ctx.settings
+    # The start that spawned it had START_DEADLINE_S in all, counted from its spawn: this
+    # wait and the retries after it share what is left (monotonic from here on).
+    age = await asyncio.to_thread(backend_age_s, proc, rec)
+    deadline = time.monotonic() + settings.start_deadline_s - age
+    # A few seconds at least, so a backend that became ready while the host was down is
+    # still seen as ready.
+    timeout = max(deadline - time.monotonic(), 5.0)
+    if was_ready:
+        # Not loading: the backend was ready before the host went away, so the deadline of
+        # its start says nothing (it showed a process that exec'd something else, or
+        # closed its socket, as "starting" for up to START_DEADLINE_S).
+        timeout = ADOPTED_RELISTEN_S
+    backend = sup.backend()
+    config = sup.instance.config
+    try:
+        await sup.wait_ready(proc, backend, config.host, rec.port, timeout)
+    except AttemptFailed as err:
+        log.warning("re-adopted backend of %s did not become ready: %s", sup.id, err.reason)
+        if proc.alive():
+            await procs.terminate(proc, min(settings.stop_grace_s, 5.0))
+        await sup.release()
+        if was_ready:
+            await adopted_crashed(sup, proc, rec, err)
+            raise StartFailed(
+                sup.id, sup.instance.error_message or err.reason, None, sup.tail()
+            ) from None
+        # The start that spawned it had retries left: they are this adoption's, within
+        # that start's deadline, as if the host had never restarted.
+        retry = (
+            err.retryable
+            and settings.max_retries > 0
+            and deadline > time.monotonic()
+            and sup.stored.want_running
+            and not sup.deleted
+        )
+        sup.set_status(
+            S.FAILED,
+            reason="start_failed",
+            error_message=err.reason,
+            pid=None,
+            port=None,
+            started_at=None,
+        )
+        sup.stored.restart_due = retry  # on disk with the failure: a kill now loses no retry
+        await sup.ctx.persist()
+        sup.after_stop_hook()
+        if retry:
+            log.info(
+                "starting %s again: %d attempt(s) of the start it was in remain",
+                sup.id,
+                settings.max_retries,
+            )
+            return await sup.run_start(attempts=settings.max_retries, deadline=deadline)
+        sup.counters["start_failures"] += 1
+        raise StartFailed(
+            sup.id, err.reason, err.exit_code, sup.tail(), retryable=err.retryable
+        ) from None
+    if sup.follower is not None:
+        sup.follower.hot_polling = True
+    sup.set_status(S.RUNNING, reason="ready", started_at=datetime.now(UTC), error_message=None)
+    sup.stored.restart_due = False  # the start it was in has ended
+    sup.ctx.persist_soon()
+    sup.watch(proc)
+    return sup.instance
+
+
+async def adopted_crashed(
+    sup: Supervising, proc: procs.BackendProcess, rec: ProcessRecord, err: AttemptFailed
+) -> None:
+    """A backend that was running when the host went away, re-adopted, and no longer
+    serving its port (ended already): a crash, under the restart policy as any other,
+    never a start that failed (which nothing restarts)."""
+    sup.counters["crashes"] += 1
+    reason = (
+        f"Process stopped serving port {rec.port} while the host was away ({err.reason}); "
+        "it was ended"
+    )
+    await sup.record_crash(proc, reason, None)
+
+
+async def finish_stop(sup: Supervising) -> None:
+    """A stop the previous host process did not finish: finish it, then start again only
+    when the instance is still wanted (a restart whose stop was under way). Under the
+    lock: a start, stop or restart asked for meanwhile comes after it (a start joins the
+    start made here); a stop or restart that got the lock first did it (and cancels this)."""
+    async with sup.lock:
+        if sup.status != S.STOPPING or sup.deleted:
+            return
+        proc = sup.proc
+        if proc is not None:
+            await procs.terminate(proc, sup.ctx.settings.stop_grace_s)
+        await sup.record_stopped()
+        sup.after_stop_hook()
+        log.info("finished the stop of %s that was under way when the host stopped", sup.id)
+        if not sup.stored.want_running:
+            return
+        # Not awaited here: a start asked for meanwhile waits for this task, then joins
+        # that start (one deadline, one outcome), as concurrent starts share one launch.
+        await sup.begin_start()  # wanted, so on disk already: nothing to write
+        assert sup.start_task is not None
+        sup.start_task.add_done_callback(functools.partial(start_ended_unheard, sup))
+
+
+def start_ended_unheard(sup: Supervising, task: asyncio.Task[Any]) -> None:
+    """A start no caller awaits (after a stop finished at boot): its failure is logged."""
+    if task.cancelled():
+        return
+    err = task.exception()
+    if isinstance(err, StartFailed | InstanceConflict | InstanceNotFound):
+        log.warning("start of %s after its unfinished stop failed: %s", sup.id, err)
+    elif err is not None:
+        log.error("start of %s after its unfinished stop failed", sup.id, exc_info=err)

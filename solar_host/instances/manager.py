@@ -704,7 +704,7 @@ class InstanceManager:
             sup._cancel(sup.restart_task)
             await sup.kill_recorded()
         sup.ring.notify()  # log streamers wake, see the instance gone, and close
-        sup._after_stop_hook()
+        sup.after_stop_hook()
         return sup.instance
 
     async def delete_quarantined(self, instance_id: str) -> dict[str, Any]:

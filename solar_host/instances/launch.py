@@ -1,0 +1,198 @@
+"""Launching one backend: reserve its port, prepare what it needs, spawn it confined.
+
+Each step is a function the supervisor calls in order from a start attempt; none of them
+changes an instance's state (the supervisor alone does). What a step claims (a port, a
+process) is given back by the step itself when it fails or is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from solar_host.backends.base import (
+    Backend,
+    BackendConfigBase,
+    HostFacts,
+    LaunchContext,
+    LaunchSpec,
+)
+from solar_host.instances import confinement, ownership, preflight
+from solar_host.instances import process as procs
+from solar_host.instances.backend_env import (
+    backend_environment,
+    parse_passthrough,
+    write_private_files,
+)
+from solar_host.instances.errors import InstanceConflict
+from solar_host.instances.health import AttemptFailed
+from solar_host.instances.ports import PortAllocator
+from solar_host.instances.store import ProcessRecord
+from solar_host.model_store.roots import anchor_relative
+from solar_host.model_store.roots import check_config as check_model_roots
+from solar_host.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) -> T:
+    """`fn(*args)` in a worker thread. A cancelled caller cannot stop the thread, so what it
+    did (spawned a process, claimed a port) is undone by `undo(result)` once it finishes."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            result = await fut
+            undone = undo(result)
+            if asyncio.iscoroutine(undone):
+                await undone
+        raise
+
+
+async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
+    """A backend spawned for a start that was cancelled meanwhile: nobody will manage it."""
+    await procs.terminate(proc, 1.0)
+
+
+async def reserve_port(ports: PortAllocator, config: BackendConfigBase) -> int:
+    """The port the backend will listen on: an explicit one is honoured when free (else a
+    clear conflict, not retried), otherwise one the allocator hands out."""
+    if config.port:
+        port = config.port
+        holder = await off_loop(
+            ports.holder, port, config.host, undo=lambda h: h is None and ports.release(port)
+        )
+        if holder is not None:
+            raise InstanceConflict(f"Port {port} is already in use by {holder}")
+        return port
+    return await off_loop(ports.allocate, config.host, undo=ports.release)
+
+
+def launch_context(
+    settings: Settings, instance_id: str, port: int, api_key: str, facts: HostFacts
+) -> LaunchContext:
+    return LaunchContext(
+        instance_id=instance_id,
+        port=port,
+        host_api_key=api_key,
+        models_dir=settings.models_dir,
+        llama_server_bin=settings.llama_server_bin,
+        sglang_venv_path=settings.sglang_venv_path,
+        sglang_prompt_cache_dir=settings.sglang_prompt_cache_dir,
+        gpu_type=facts.gpu_type,
+        private_dir=settings.config_file.parent / "backend-keys",
+    )
+
+
+def prepare(
+    backend: Backend,
+    config: BackendConfigBase,
+    launch: LaunchContext,
+    settings: Settings,
+    facts: HostFacts,
+) -> LaunchSpec:
+    """Check what would fail every attempt and build the command line. Raises LaunchError,
+    ValueError, OSError or RuntimeError (the caller fails the attempt for good: nothing was
+    spawned, and a retry would fail the same way)."""
+    # Again at start: a symlink inside a root may have been re-pointed since create.
+    check_model_roots(config, settings.model_root_dirs)
+    # The files as the backend will open them (relative: under MODELS_DIR, where the
+    # roots check judged them), never the host's working directory.
+    opened = config.model_copy()
+    anchor_relative(opened, settings.models_dir)
+    preflight.check(backend, opened, facts)  # not retried, nothing spawned
+    for w in backend.before_start(config, launch):
+        log.warning("%s: %s", config.alias, w)
+    return backend.launch(config, launch)
+
+
+def environment(
+    spec: LaunchSpec, settings: Settings, *, marker: str, port: int, key_hash: str, spawn_id: str
+) -> dict[str, str]:
+    """The backend's environment, with what proves it ours: exec and fork keep the marker,
+    and ownership.py reads it (and the port, key fingerprint and spawn id) back from /proc."""
+    env = backend_environment(spec, passthrough=parse_passthrough(settings.backend_env_passthrough))
+    env[ownership.MARKER_VAR] = marker
+    env[ownership.PORT_VAR] = str(port)
+    env[ownership.KEY_VAR] = key_hash
+    env[ownership.SPAWN_VAR] = spawn_id
+    return env
+
+
+async def spawn(
+    spec: LaunchSpec, env: dict[str, str], log_path: Path, settings: Settings
+) -> procs.BackendProcess:
+    """Write the backend's private files and spawn it, confined as the settings say.
+    AttemptFailed when it cannot run (confinement required but unavailable: not retried)."""
+    try:
+        if spec.private_files:  # each written with an fsync: off the loop
+            await asyncio.to_thread(write_private_files, spec.private_files)
+
+        # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
+        # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
+        # transformers tries as a directory first, an SGLang path) is then the file the
+        # roots check judged, never one beside wherever the host was started (ruling 12).
+        def run() -> procs.BackendProcess:
+            # What the backend may read and write is worked out here too (PATH lookups, links).
+            policy = confinement.access_policy(
+                roots=settings.model_root_dirs,
+                argv=spec.argv,
+                env=env,
+                private_files=spec.private_files,
+                extra_reads=settings.backend_extra_read_dirs,
+                extra_writes=[*settings.backend_extra_write_dirs, *spec.write_dirs],
+                confine_writes=settings.backend_write_confinement,
+                host_state=confinement.HostState(
+                    settings.config_file,
+                    settings.log_dir,
+                    settings.jobs_dir,
+                    settings.env_file,
+                ),
+            )
+            return procs.spawn(
+                spec.argv,
+                env,
+                log_path,
+                settings.models_dir,
+                policy,
+                settings.backend_read_confinement,
+            )
+
+        return await off_loop(run, undo=_kill_unrecorded)
+    except confinement.ConfinementUnavailable as err:
+        raise AttemptFailed(str(err), None, retryable=False) from None
+    except OSError as err:
+        raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
+
+
+def process_record(
+    proc: procs.BackendProcess,
+    *,
+    port: int,
+    key_hash: str,
+    spawn_id: str,
+    log_path: Path,
+    seq_base: int,
+) -> ProcessRecord:
+    """What config.json keeps of a spawned backend, for the next host process to find it."""
+    return ProcessRecord(
+        pid=proc.pid,
+        create_time=proc.create_time,
+        start_ticks=proc.start_ticks,
+        boot_id=proc.identity.boot_id,
+        marker=proc.marker,
+        cmdline=proc.cmdline,
+        port=port,
+        key_hash=key_hash,
+        spawn_id=spawn_id,
+        log_file=str(log_path),
+        spawned_at=datetime.now(UTC).isoformat(),
+        seq_base=seq_base,
+    )
