@@ -378,7 +378,13 @@ def serve(settings: Settings, **overrides: Any) -> int:
                 raise
             return 1
         if server.stopped_by and app.backends_at_stop is not None:
-            print(stop_line(server.stopped_by, *app.backends_at_stop), file=sys.stderr, flush=True)
+            line = stop_line(server.stopped_by, *app.backends_at_stop)
+            if settings.log_format == "json":
+                # Every line on stderr is a JSON record under LOG_FORMAT=json (the journal
+                # and log shippers parse them): the last one too.
+                log.warning("%s", line.removeprefix("solar-host: "))
+            else:
+                print(line, file=sys.stderr, flush=True)
         return 0 if server.started and not api_failed else 1
     finally:
         if app is not None:
