@@ -16,9 +16,10 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from solar_host.model_store import huggingface, oci
 from solar_host.model_store.layers import assemble
@@ -33,6 +34,9 @@ from solar_host.resources.probes import GB
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# How often a pull that is resolving looks whether the source made it wait.
+WAIT_POLL_S = 0.2
 
 
 @dataclass
@@ -86,11 +90,12 @@ class Download:
         counter = ByteCounter()
         try:
             if req.source == "harbor":
-                plan = await self._harbor_plan(job, req, partial, counter)
+                planning = self._harbor_plan(job, req, partial, counter)
             else:
                 # A size the caller announces is checked before the Hub is asked anything.
                 await asyncio.to_thread(self._check_room, req.size_bytes, 0)
-                plan = await self._hub_plan(job, req, partial, target, counter)
+                planning = self._hub_plan(job, req, partial, target, counter)
+            plan = await self._resolving(job, planning)
             for r in job.reporters:
                 if job.bytes_total is not None:
                     r.bytes_total = job.bytes_total
@@ -112,6 +117,20 @@ class Download:
             # only links to the model, which stays as it was.
             drop = err.status_code in (401, 404, 507)
             await asyncio.to_thread(self._leave, partial, drop)
+            raise
+
+    async def _resolving(self, job: PullJob, planning: Coroutine[Any, Any, _Plan]) -> _Plan:
+        """Await the plan, telling every caller when the source makes it wait (a 429)."""
+        task = asyncio.ensure_future(planning)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WAIT_POLL_S)
+                if done:
+                    return task.result()
+                for r in job.reporters:
+                    r.resolving(job.waiting.reason)
+        except asyncio.CancelledError:
+            task.cancel()
             raise
 
     def _leave(self, partial: Path, drop: bool) -> None:

@@ -71,7 +71,7 @@ class PullReporter:
             "bytes_total": self.bytes_total,
             "speed_bps": self.speed_bps,
         }
-        if self.waiting is not None and phase == "downloading":
+        if self.waiting is not None and phase not in TERMINAL:
             payload["waiting"] = self.waiting
         if error is not None:
             payload["error"] = error
@@ -82,6 +82,12 @@ class PullReporter:
 
     def phase(self, phase: str) -> None:
         self._send(phase)
+
+    def resolving(self, waiting: str | None) -> None:
+        """Say again that the pull is resolving, and whether it waits (a 429 of the source)."""
+        if waiting != self.waiting:
+            self.waiting = waiting
+            self._send("resolving")
 
     def downloading(
         self,
