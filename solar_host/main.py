@@ -6,7 +6,11 @@ as soon as the lifespan has run, the router follows within a second."""
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Before the first pydantic model is built (settings): see cli.command.skip_pydantic_plugins.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 
 from solar_host.platform.logging_setup import configure_logging
 from solar_host.serving import staged_app
