@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from solar_host.backends.base import HostFacts
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
-from solar_host.instances import ownership
+from solar_host.instances import boot, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.context import SupervisorContext
 from solar_host.instances.errors import (
@@ -182,131 +182,36 @@ class InstanceManager:
         self._sweep_task = asyncio.create_task(self._log_sweeper(), name="log-retention")
 
     async def _recover(self) -> list[Supervisor]:
-        """Re-adopt what still runs; return what must start again.
-
-        Awaited before the host serves, so the first answer it gives already tells the truth;
-        kept fast (identity, marker and listener from /proc, no HTTP, no waiting on a
-        backend): health checks, readiness of backends still loading, stops to finish and
-        the sweep of strays all continue in the background.
-        """
-
-        # One read of the socket table and one marker scan for every adoption of the boot.
-        recorded = any(
-            s.stored.process is not None or s.stored.want_running for s in self.supervisors.values()
-        )
-        listening = await asyncio.to_thread(ownership.listeners) if recorded else {}
-        wanted = any(s.stored.want_running for s in self.supervisors.values())
-        ours = await asyncio.to_thread(ownership.ours_running, self.host_id) if wanted else {}
-
-        async def adopt(sup: Supervisor) -> str:
-            try:
-                return await sup.adopt(listening, ours)
-            except Exception:
-                log.exception("re-adoption of %s failed", sup.id)
-                return "gone"
-
-        sups = list(self.supervisors.values())
-        outcomes = await asyncio.gather(*(adopt(s) for s in sups))
-        to_start: list[Supervisor] = []
-        for sup, outcome in zip(sups, outcomes, strict=True):
-            if outcome != "gone":
-                continue
-            inst = sup.instance
-            if inst.status in ACTIVE:
-                # Its backend is gone: record that, then start it again if it is wanted.
-                sup.set_status(S.STOPPED, reason="boot", recovery=True, pid=None, port=None)
-            # Not a failed one: a failure is left for its owner (the operator, or control for
-            # an intent-managed instance); a shutdown records as stopped what it interrupted.
-            # Except where the host still owed it a start (restart_due: a crash restart in its
-            # backoff, a start pausing between attempts) when it was killed or handed over.
-            due = inst.status == S.FAILED and sup.stored.restart_due
-            if sup.stored.want_running and (inst.status == S.STOPPED or due):
-                to_start.append(sup)
+        """Re-adopt what still runs (boot.recover); return what must start again."""
+        to_start, adopted = await boot.recover(list(self.supervisors.values()), self.host_id)
         # Written when re-adoption or the load changed anything (an older format, a backend
         # gone); a restart that finds everything as recorded writes nothing (store.on_disk).
         await self.persist()
-        self._sweep_prompt_caches(
-            [s for s, o in zip(sups, outcomes, strict=True) if o in ("running", "starting")]
-        )
+        self._sweep_prompt_caches(adopted)
         return to_start
 
     async def _boot(self, to_start: list[Supervisor]) -> None:
         """Background half of boot: stop strays of ours, start what should run but does not,
         then restart (one at a time) adopted backends that hold an outdated API key."""
         try:
-            await self._sweep_strays()
+            await boot.sweep_strays(
+                self.host_id,
+                self.supervisors,
+                protected_ids=self.store.protected_ids(),
+                protected_pids=self.protected_pids(),
+                grace_s=self.settings.stop_grace_s,
+            )
         except Exception:
             log.exception("the sweep of unmanaged backends failed")
-        sem = asyncio.Semaphore(self.settings.boot_start_concurrency)
-
-        async def start_one(sup: Supervisor) -> None:
-            async with sem:
-                try:
-                    await sup.start()
-                except Exception as err:
-                    log.error("boot start of %s failed: %s", sup.id, err)
-
-        keys = asyncio.create_task(self._restart_outdated_keys(), name="key-restarts")
-        await asyncio.gather(*(start_one(s) for s in to_start))
+        keys = asyncio.create_task(
+            boot.restart_outdated_keys(
+                list(self.supervisors.values()), self.key_hash(self.api_key()), self.restart
+            ),
+            name="key-restarts",
+        )
+        await boot.start_all(to_start, self.settings.boot_start_concurrency)
         self.boot_done.set()
         await keys
-
-    async def _sweep_strays(self) -> None:
-        """Stop processes that carry this host's marker but that no recorded instance owns.
-
-        A host killed between spawning a backend and recording it, while deleting an instance,
-        or after a backend crashed leaving workers behind, leaves such processes: they are
-        ours (the marker says so) and nothing would ever manage them. Nothing without this
-        host's marker is touched, whatever directory its log is in.
-        """
-        ours = await asyncio.to_thread(ownership.ours_running, self.host_id)
-        strays: list[ownership.Identity] = []
-        # Quarantined config.json entries keep their backends (and those backends' workers),
-        # known by the entry's id in their marker, or by its recorded pid.
-        protected = self.protected_pids()
-        protected_ids = self.store.protected_ids()
-        for iid, idents in ours.items():
-            if iid in protected_ids or any(ident.pid in protected for ident in idents):
-                continue
-            sup = self.supervisors.get(iid)
-            if sup is not None and sup.start_task is not None and not sup.start_task.done():
-                if sup.proc is None or sup.proc.is_child:
-                    continue  # a start in flight: what it spawns is its own
-            owner = sup.proc if sup is not None else None
-            for ident in idents:
-                # The adopted backend and the workers it started since (a worker older than it
-                # is a leftover of an earlier backend of the same instance).
-                if owner is not None and ident.start_ticks >= owner.start_ticks:
-                    continue
-                strays.append(ident)
-        if not strays:
-            return
-        for ident in strays:
-            log.warning(
-                "stopping unmanaged backend pid %s (it carries this host's marker)", ident.pid
-            )
-        await procs.end_processes(strays, self.settings.stop_grace_s)
-
-    async def _restart_outdated_keys(self) -> None:
-        """A backend accepts the key it was spawned with: after API_KEY changed, restart it so
-        that what GET /instances advertises is what it accepts (one at a time)."""
-        current = self.key_hash(self.api_key())
-        for sup in list(self.supervisors.values()):
-            rec = sup.stored.process
-            if rec is None or rec.key_hash is None or rec.key_hash == current:
-                continue
-            if sup.status not in (S.RUNNING, S.STARTING) or sup.deleted:
-                continue
-            log.warning(
-                "restarting %s (%s): its backend was started with an API key that is no longer "
-                "the host's",
-                sup.id,
-                sup.instance.config.alias,
-            )
-            try:
-                await self.restart(sup.id)
-            except Exception as err:
-                log.error("restart of %s for the new API key failed: %s", sup.id, err)
 
     def _sweep_prompt_caches(self, adopted: list[Supervisor]) -> None:
         """Leftover SGLang caches go, after re-adoption so a live backend keeps its own."""
