@@ -357,6 +357,8 @@ async def adopt(
         sup.stored.process = None
         return "gone"
     sup.lease = Lease(proc, rec.port, sup.ctx.ports)
+    if sup.stored.last_port != rec.port:
+        sup.stored.last_port = rec.port
     sup.ctx.ports.claim_adopted(rec.port)
     if status in (S.STOPPING, S.STOPPED, S.FAILED) or not sup.stored.want_running:
         # The operator's last word was a stop (or a restart, whose stop comes first).

@@ -42,6 +42,8 @@ class SupervisorContext:
     persist_soon: Callable[[], None]  # save without waiting (saves coalesce)
     prune_logs_soon: Callable[[], None]
     backend_redactor: Callable[[str | None], Redactor]
+    # instance id -> the ports other instances last served on (never handed to this one).
+    ports_kept_by_others: Callable[[str], set[int]]
     # Set when the service starts (inotify) and by the composition root (the capacity gate;
     # None for a manager built without one, as some tests do).
     inotify: InotifyHub | None = None

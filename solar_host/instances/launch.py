@@ -61,9 +61,17 @@ async def _kill_unrecorded(proc: procs.BackendProcess) -> None:
     await procs.terminate(proc, 1.0)
 
 
-async def reserve_port(ports: PortAllocator, config: BackendConfigBase) -> int:
+async def reserve_port(
+    ports: PortAllocator,
+    config: BackendConfigBase,
+    last_port: int | None = None,
+    kept_by_others: set[int] | None = None,
+) -> int:
     """The port the backend will listen on: an explicit one is honoured when free (else a
-    clear conflict, not retried), otherwise one the allocator hands out."""
+    clear conflict, not retried); otherwise the one it last served on when that is free
+    (ruling 24: a saved backend URL keeps reaching the same model across restarts), else one
+    the allocator hands out, never a port another instance last served on
+    (`kept_by_others`)."""
     if config.port:
         port = config.port
         holder = await off_loop(
@@ -72,7 +80,13 @@ async def reserve_port(ports: PortAllocator, config: BackendConfigBase) -> int:
         if holder is not None:
             raise InstanceConflict(f"Port {port} is already in use by {holder}")
         return port
-    return await off_loop(ports.allocate, config.host, undo=ports.release)
+    if last_port is not None and last_port not in (kept_by_others or ()):
+        mine = last_port
+        if await off_loop(
+            ports.reclaim, mine, config.host, undo=lambda ok: ok and ports.release(mine)
+        ):
+            return mine
+    return await off_loop(ports.allocate, config.host, kept_by_others, undo=ports.release)
 
 
 def launch_context(

@@ -103,6 +103,7 @@ class InstanceManager:
             persist_soon=self.persist_soon,
             prune_logs_soon=self.prune_logs_soon,
             backend_redactor=self.backend_redactor,
+            ports_kept_by_others=self._ports_kept_by_others,
         )
         self._facts: HostFacts | None = None
         self._list_cache: bytes | None = None
@@ -333,6 +334,15 @@ class InstanceManager:
             for s in list(self.supervisors.values())
             if s.instance.port is not None and s.instance.status in ACTIVE
         } | self.store.protected_ports()
+
+    def _ports_kept_by_others(self, instance_id: str) -> set[int]:
+        """The ports other instances last served on: one is never handed to another instance
+        while the instance that served on it exists (ruling 24)."""
+        return {
+            s.stored.last_port
+            for s in list(self.supervisors.values())
+            if s.id != instance_id and s.stored.last_port is not None
+        }
 
     def protected_pids(self) -> set[int]:
         """Backend pids no sweep may stop although no instance owns them: those recorded by

@@ -96,6 +96,14 @@ class PortAllocator:
             "Stop an instance, free a port, or lower START_PORT."
         )
 
+    def reclaim(self, port: int, host: str) -> bool:
+        """Claim the port an instance last served on, when no instance holds it and it is
+        free; False otherwise (the caller allocates another)."""
+        with self._scan_lock:
+            if port in self._taken() or not self.start_port <= port <= self.end_port:
+                return False
+            return port_is_free(port, self._bind_hosts(host)) and self._claim_if_unclaimed(port)
+
     def claim(self, port: int, host: str) -> bool:
         """Claim an explicit port; False when another instance or process has it."""
         return self.holder(port, host) is None

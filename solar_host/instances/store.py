@@ -79,6 +79,9 @@ class StoredInstance(Tracked):
     # owes this `failed` instance a start, so boot starts it. False once the host gives up
     # (a crash loop, a start out of attempts) or the start ends. Absent in older records.
     restart_due: bool = False
+    # The port its backend last served on (ruling 24): taken again whenever it is free, and
+    # never handed to another instance while this one exists. Absent in older records.
+    last_port: int | None = None
 
 
 @dataclass
@@ -239,6 +242,9 @@ class InstanceStore:
                 stored = self._parse_entry(entry)
                 if isinstance(entry, dict) and entry.get("restart_due") is True:
                     stored.restart_due = True  # anything else (older hosts: absent) is not due
+                last_port = entry.get("last_port") if isinstance(entry, dict) else None
+                if type(last_port) is int and 0 < last_port < 65536:
+                    stored.last_port = last_port  # only a preference: anything else is none
                 if stored.instance.id in seen:
                     raise ValueError(f"duplicate instance id {stored.instance.id!r}")
             except (ConfigError, ValidationError, ValueError, TypeError, KeyError) as err:

@@ -339,7 +339,11 @@ class Supervisor:
         self.ctx.idle_logs.busy(self.id)
         config = self.instance.config
         backend = self.backend()
-        port = await launch.reserve_port(self.ctx.ports, config)
+        port = await launch.reserve_port(
+            self.ctx.ports, config, self.stored.last_port, self.ctx.ports_kept_by_others(self.id)
+        )
+        if self.stored.last_port != port:
+            self.stored.last_port = port  # saved with the process record, before the spawn
         facts = self.ctx.facts()
         api_key = self.ctx.api_key()
         self.set_status(
