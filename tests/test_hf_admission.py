@@ -112,3 +112,86 @@ def test_requests_that_arrive_during_a_prefill_join_the_next_prefill_before_any_
         assert isinstance(res, GenResult), res
         assert res.completion_tokens == 3
         assert res.prompt_tokens == len(tok(PROMPTS[i])["input_ids"])
+
+
+def test_a_request_on_its_way_joins_the_prefill_of_those_queued(model, monkeypatch) -> None:
+    """A request the event loop is still making ready (counted by `arriving`) is waited for:
+    it joins the prefill of the one already queued instead of a prefill of its own."""
+    import solar_host.servers.hf_decode as hf_decode
+
+    monkeypatch.setattr(hf_decode, "GATHER_S", WAIT_S)  # long: only the arrival ends the wait
+    lm, tok = model
+    sched: DecodeScheduler
+    reqs = Requests(tok, lambda: sched)
+    on_its_way = [0]
+
+    def post(calls: list, then: Any) -> None:
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None:
+            then()
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, arriving=lambda: on_its_way[0])
+    sched.start()
+    try:
+        sched.submit(reqs.make(-1, "warm", 2))
+        reqs.wait(range(-1, 0))
+        on_its_way[0] = 1
+        sched.submit(reqs.make(0, PROMPTS[0], 3))
+        assert not reqs.done[0].wait(0.3)  # held for the one on its way
+        assert sched.stats()["prefills"] == 1
+        sched.submit(reqs.make(1, PROMPTS[1], 3))
+        on_its_way[0] = 0
+        reqs.wait(range(0, 2))
+        stats = sched.stats()
+    finally:
+        sched.stop()
+    assert stats["prefills"] == 2 and stats["admitted"] == 3  # the warm-up's, then one for both
+    for i in range(2):
+        res = reqs.results[i]
+        assert isinstance(res, GenResult) and res.completion_tokens == 3, res
+
+
+def test_a_request_that_never_arrives_holds_the_batch_by_the_bound_only(model, monkeypatch) -> None:
+    import time
+
+    import solar_host.servers.hf_decode as hf_decode
+
+    monkeypatch.setattr(hf_decode, "GATHER_S", 0.3)
+    lm, tok = model
+    sched: DecodeScheduler
+    reqs = Requests(tok, lambda: sched)
+
+    def post(calls: list, then: Any) -> None:
+        for fn, arg in calls:
+            fn(arg)
+        if then is not None:
+            then()
+
+    sched = DecodeScheduler(lm, tok, "cpu", 32, post, threads=1, arriving=lambda: 1)
+    sched.start()
+    try:
+        started = time.monotonic()
+        sched.submit(reqs.make(0, PROMPTS[0], 2))
+        reqs.wait(range(0, 1))
+        took = time.monotonic() - started
+    finally:
+        sched.stop()
+    res = reqs.results[0]
+    assert isinstance(res, GenResult) and res.completion_tokens == 2, res
+    assert took >= 0.3  # the prefill waited for the bound, once per turn (two turns here)
+
+
+def test_arrivals_count_a_request_until_its_block_ends_however_it_ends() -> None:
+    from solar_host.servers.hf_generation import Arrivals
+
+    arrivals = Arrivals()
+    with arrivals.one():
+        assert arrivals.count == 1
+        with arrivals.away():  # a long tokenization in a thread: not waited for
+            assert arrivals.count == 0
+        assert arrivals.count == 1
+    assert arrivals.count == 0
+    with pytest.raises(ValueError), arrivals.one():
+        raise ValueError("a refused request")
+    assert arrivals.count == 0

@@ -236,6 +236,15 @@ def test_a_loop_that_never_hands_back_delays_the_steps_by_the_bound_only(
     assert stats["handoff_ms"] >= 300
 
 
+def test_every_step_waits_for_the_loop_to_take_its_tokens(model, monkeypatch) -> None:
+    """After a step too, the next waits for the loop's hand-back: the loop sends the tokens
+    and takes in new requests without a step running beside it for the GIL."""
+    events, _stats = handoff_trace(model, monkeypatch, hand_back_after=0.05, bound_s=30.0)
+    kinds = [what for what, _steps, _t in events]
+    assert kinds == ["post", "handed"] * (len(kinds) // 2), kinds
+    assert [steps for what, steps, _t in events if what == "post"] == [0, 1, 2, 3]
+
+
 class CountingTokenizer:
     """The tokenizer, recording the ids of every decode call the scheduler makes."""
 

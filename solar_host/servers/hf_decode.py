@@ -10,14 +10,19 @@ prefill runs (the later chats of a burst) is admitted in the same turn, before t
 
 Requests that arrive together are prefilled in groups, and each group's first tokens go out
 before the next group (or step) runs: the scheduler waits, briefly and boundedly, for the event
-loop to have sent them (`_flush`). The groups are sized to minimise the waiting requests' mean
-time to first token at the cost the scheduler has fitted to its prefills (prefill_cost): with a
-cost per group c (the prefill's cost per call, plus the hand-over to the event loop that
-follows it) and per prompt p, n requests in groups of g wait on average about
-(n/g + 1)/2 * (c + g*p), least at g = sqrt(n*c/p). Where a prefill costs what its tokens cost
-(a CPU on a model of some size), one prefill of seven prompts would make the first six wait
-for the seventh; where the cost is mostly per call (a GPU, or a tiny model), every request that
-arrived joins the one prefill.
+loop to have sent them (`_flush`). It waits so after every step as well: the event loop then
+sends the step's tokens and takes in the requests that came meanwhile with the GIL to itself,
+instead of winning it back from a running step again and again. Before it prefills, it waits
+(at most GATHER_S a turn) for the requests the event loop is still making ready (`_gather`),
+so that those of a burst share one prefill.
+
+The groups are sized to minimise the waiting requests' mean time to first token at the cost
+the scheduler has fitted to its prefills (prefill_cost): with a cost per group c (the prefill's
+cost per call, plus the hand-over to the event loop that follows it) and per prompt p, n
+requests in groups of g wait on average about (n/g + 1)/2 * (c + g*p), least at
+g = sqrt(n*c/p). Where a prefill costs what its tokens cost (a CPU on a model of some size),
+one prefill of seven prompts would make the first six wait for the seventh; where the cost is
+mostly per call (a GPU, or a tiny model), every request that arrived joins the one prefill.
 
 Rows leave as they finish (EOS, a stop sequence, max_tokens, the context limit) or when their
 client goes away (the request's cancel event); the columns that only padding still uses are
@@ -67,6 +72,10 @@ HANDOFF_WEIGHT = 0.2
 # Times a turn of the scheduler takes in requests that arrived during its own prefills before
 # it runs the step (see _run).
 ADMIT_ROUNDS = 4
+# Longest wait in one turn for requests the event loop has begun and not yet submitted, before
+# the scheduler prefills those that are queued (see _gather), and how often it looks again.
+GATHER_S = 0.010
+GATHER_POLL_S = 0.001
 
 
 @dataclass
@@ -118,6 +127,7 @@ class DecodeScheduler:
         max_batch: int,
         post: Post,
         threads: int | None = None,
+        arriving: Callable[[], int] | None = None,
     ):
         self.model, self.tok, self.device = model, tokenizer, device
         self.max_batch = max(1, max_batch)
@@ -129,6 +139,9 @@ class DecodeScheduler:
         self.handoff_s: float | None = None  # recent hand-overs after a prefill (average)
         self._post = post
         self._threads = threads
+        # Requests the event loop has begun and not yet submitted (read without a lock: a
+        # hint; see _gather). None: none are waited for.
+        self._arriving = arriving
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (tokenizer.eos_token_id or 0))
         eos = getattr(model.generation_config, "eos_token_id", None)
@@ -221,14 +234,16 @@ class DecodeScheduler:
                     # before the step: they would otherwise wait a whole step more, behind rows
                     # that already have their first token. Bounded: a stream of arrivals does
                     # not hold the running rows back for more than ADMIT_ROUNDS prefills.
+                    gather_until = time.perf_counter() + GATHER_S
                     for _ in range(ADMIT_ROUNDS):
+                        self._gather(gather_until)
                         new = self._take()
                         if not new:
                             break
                         taken += new
                         for group in self._prefill_groups(new):
                             self._admit(group)
-                            self._flush(handoff=True)  # first tokens go out now
+                            self._flush(handoff=True, measure=True)  # first tokens go out now
                     if self._rows:
                         self._step()
             except Exception as err:  # a step (or a merge) failed: every row of the batch fails
@@ -238,10 +253,31 @@ class DecodeScheduler:
                     self._end(r, err)
                 self._reset()
             self.rows_now = len(self._rows)
-            self._flush()
+            # The loop's turn: it sends the tokens, and parses and submits the requests that
+            # came meanwhile, before the next step takes the GIL from it again.
+            self._flush(handoff=True)
         for req in pending + [r.req for r in self._rows]:
             self._end(req, Cancelled("server shutting down"))
         self._flush()
+
+    def _gather(self, until: float) -> None:
+        """With requests queued, wait (until `until`, at most) while others are still on their
+        way through the event loop, so that they join the same prefill.
+
+        The requests of a burst reach the scheduler one by one, as the event loop parses and
+        tokenizes each; prefilled as they came, the first would be prefilled alone, and every
+        later one would wait for the prefills and steps before it, which also take the GIL from
+        the event loop still working on the rest. Waiting here lets go of the GIL."""
+        if self._arriving is None:
+            return
+        with self._cond:
+            while not self._stopping and self._arriving() > 0:
+                if len(self._rows) + len(self._pending) >= self.max_batch:
+                    return  # no room for more in this prefill
+                left = until - time.perf_counter()
+                if left <= 0:
+                    return
+                self._cond.wait(min(left, GATHER_POLL_S))
 
     def _take(self) -> list[GenRequest]:
         """The queued requests the batch has room for, in arrival order; those whose client
@@ -287,10 +323,12 @@ class DecodeScheduler:
             start = end
         return groups
 
-    def _flush(self, handoff: bool = False) -> None:
+    def _flush(self, handoff: bool = False, measure: bool = False) -> None:
         """Post what the batch produced to the event loop. With `handoff`, wait (at most
         HANDOFF_S) until the loop has acted on it: after a prefill, so that the first tokens
-        go out before the next step rather than while it runs.
+        go out before the next step rather than while it runs, and after a step, so that the
+        loop sends them and takes in new requests without a step running beside it. With
+        `measure`, the wait counts in `handoff_s` (a prefill's: the grouping's cost per group).
 
         Waiting costs the loop's own time and saves more: this thread and the event loop share
         the GIL, which a decode step lets go of and takes back at every torch operation, so a
@@ -308,6 +346,8 @@ class DecodeScheduler:
         if handed is not None:
             started = time.perf_counter()
             handed.wait(HANDOFF_S)
+            if not measure:
+                return
             took = time.perf_counter() - started
             last = self.handoff_s
             self.handoff_s = took if last is None else last + HANDOFF_WEIGHT * (took - last)

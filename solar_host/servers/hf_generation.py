@@ -8,9 +8,10 @@ torch is imported only once a generation starts (hf_decode): the server binds it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -77,6 +78,35 @@ class GenRun:
         return self._result
 
 
+class Arrivals:
+    """Chat and completion requests being made ready on the event loop (parsed, tokenized):
+    each reaches the scheduler within moments, and it waits for them before a prefill
+    (DecodeScheduler._gather). Written on the event loop, read by the decode thread (a hint)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        """A request being made ready, counted until the block ends, however it ends: the
+        generation starts right after, in the same turn of the loop."""
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+
+    @contextlib.contextmanager
+    def away(self) -> Iterator[None]:
+        """Within `one`: work that takes long (a prompt of megabytes tokenized in a thread),
+        which the scheduler must not wait for."""
+        self.count -= 1
+        try:
+            yield
+        finally:
+            self.count += 1
+
+
 class Generations:
     """The server's generations: started, streamed or answered whole, and counted."""
 
@@ -105,6 +135,7 @@ class Generations:
         # Causal models decode in the step-level scheduler (hf_decode), started in lifespan.
         self.decoder: Any = None
         self.generating = 0
+        self.arrivals = Arrivals()
 
     def start(self) -> None:
         """Start the decode scheduler (a causal model's; a vision model needs none)."""
@@ -132,6 +163,7 @@ class Generations:
             self.max_batch_size,
             post,
             threads=self.threads,
+            arriving=lambda: self.arrivals.count,
         )
         self.decoder.start()
 
@@ -141,9 +173,9 @@ class Generations:
             await asyncio.get_running_loop().run_in_executor(None, self.decoder.stop)
 
     async def chat(self, body: dict[str, Any], rid: str, t0: float) -> Response:
-        params = self._gen_params(body)
-        refuse_long_chat(body, self.engine.limit, self.engine.max_prompt_chars)
         if self.vision:
+            params = self._gen_params(body)
+            refuse_long_chat(body, self.engine.limit, self.engine.max_prompt_chars)
             messages, urls = vision_messages(body, self.images.policy.max_images)
             images = await self.images.load(urls)
             loop = asyncio.get_running_loop()
@@ -151,13 +183,17 @@ class Generations:
                 self.worker, self.engine.vision_inputs, messages, images
             )
         else:
-            prompt = self.engine.chat_prompt(text_messages(body))
-            inputs = await self._prompt_ids(prompt, chat=True)
+            with self.arrivals.one():
+                params = self._gen_params(body)
+                refuse_long_chat(body, self.engine.limit, self.engine.max_prompt_chars)
+                prompt = self.engine.chat_prompt(text_messages(body))
+                inputs = await self._prompt_ids(prompt, chat=True)
         return await self._generate(inputs, params, rid, t0, "/v1/chat/completions", chat=True)
 
     async def completions(self, body: dict[str, Any], rid: str, t0: float) -> Response:
-        params = self._gen_params(body)
-        ids = await self._prompt_ids(parse_prompt(body), chat=False)
+        with self.arrivals.one():
+            params = self._gen_params(body)
+            ids = await self._prompt_ids(parse_prompt(body), chat=False)
         return await self._generate(ids, params, rid, t0, "/v1/completions", chat=False)
 
     def _gen_params(self, body: dict[str, Any]) -> Any:
@@ -175,7 +211,8 @@ class Generations:
         seconds, which every other stream of the server would otherwise wait out."""
         if len(prompt) <= ON_LOOP_PROMPT_CHARS:
             return self.engine.prompt_ids(prompt, chat)
-        return await asyncio.to_thread(self.engine.prompt_ids, prompt, chat, True)
+        with self.arrivals.away():
+            return await asyncio.to_thread(self.engine.prompt_ids, prompt, chat, True)
 
     def _start(self, inputs: Any, params: Any, stream: bool, cancel: threading.Event) -> GenRun:
         """Start one generation: causal prompts join the decode scheduler's running batch; a
