@@ -39,12 +39,24 @@ def create_api(host: Host, *, lifespan: Callable[[FastAPI], Any] | None = None) 
         jobs,
         metrics,
         models,
+        peers,
         resources,
         streams,
         system,
     )
 
-    for module in (system, estimates, instances, streams, docs, jobs, resources, models, metrics):
+    for module in (
+        system,
+        estimates,
+        instances,
+        streams,
+        docs,
+        jobs,
+        resources,
+        models,
+        peers,
+        metrics,
+    ):
         app.include_router(module.router)
     install_openapi_security(app)
     install_validation_handlers(app)

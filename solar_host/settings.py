@@ -257,6 +257,20 @@ class Settings(BaseModel):
         description="Cap on this host's download rate, all pulls together, in bytes per second "
         "(0: no cap). Answers 429/503 are waited out as their Retry-After asks either way.",
     )
+    model_peers: str = Field(
+        default="",
+        description="Other solar-hosts (base URLs, comma-separated) a pull asks for each file, "
+        "by its digest, before the source; needs PEER_TOKEN. Every byte is checked against "
+        "the digest the source publishes.",
+    )
+    peer_token: str = Field(
+        default="",
+        description="Shared secret of the hosts that pull from each other: sent to MODEL_PEERS, "
+        "and required (Authorization: Bearer) by this host's read-only /peer/v1 routes, which "
+        "serve its checked model files. Empty: no peer is asked, and nothing is served to "
+        "peers. Never the API key (ruling 26): a PEER_TOKEN equal to API_KEY serves nothing "
+        "(never logged).",
+    )
 
     # --- control link ----------------------------------------------------------------------
     solar_control_url: str = Field(

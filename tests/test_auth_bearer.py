@@ -27,7 +27,12 @@ def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 async def test_bearer_is_taken_on_every_private_route(tmp_path: Path) -> None:
     http, ws = app_routes()
-    private = sorted((m, p) for m, p in http if p not in PUBLIC and not p.startswith(PUBLIC_PREFIX))
+    # The peer routes take PEER_TOKEN, never the API key (ruling 26): test_pull_peers.py.
+    private = sorted(
+        (m, p)
+        for m, p in http
+        if p not in PUBLIC and not p.startswith(PUBLIC_PREFIX) and not p.startswith("/peer/")
+    )
     async with running_host(
         host_settings(tmp_path), backends=BackendRegistry([ScriptBackend()])
     ) as h:

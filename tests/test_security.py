@@ -74,7 +74,8 @@ async def test_every_private_route_refuses_missing_or_wrong_keys(tmp_path: Path)
     http, ws = app_routes()
     public = {p for _, p in http if p in PUBLIC or p.startswith(PUBLIC_PREFIX)}
     assert public <= PUBLIC | {"/docs/static/{name}"}, f"unexpected public routes: {public}"
-    private = sorted((m, p) for m, p in http if p not in public)
+    # The peer routes take PEER_TOKEN, never the API key (ruling 26): test_pull_peers.py.
+    private = sorted((m, p) for m, p in http if p not in public and not p.startswith("/peer/"))
     assert len(private) >= 20 and ws, (private, ws)
     async with running_host(
         host_settings(tmp_path), backends=BackendRegistry([ScriptBackend()])

@@ -20,9 +20,12 @@ if TYPE_CHECKING:
 
 
 def public_paths(host: Host) -> Callable[[str], bool]:
-    """Paths served without the key besides the always-public ones (auth.py)."""
+    """Paths served without the key besides the always-public ones (auth.py). The peer routes
+    check PEER_TOKEN themselves, and take no API key (api/peers.py)."""
 
     def is_public(path: str) -> bool:
+        if path.startswith("/peer/"):
+            return True
         return path == "/metrics" and host.settings.metrics_public
 
     return is_public

@@ -25,9 +25,17 @@ from solar_host.model_store import huggingface, oci
 from solar_host.model_store.layers import assemble
 from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
 from solar_host.model_store.pacing import RateCap, Waiting
+from solar_host.model_store.peers import Peers, peer_urls
 from solar_host.model_store.placement import PARTIAL, link_snapshot, place, remove_if_empty
 from solar_host.model_store.progress import ByteCounter, PullReporter
-from solar_host.model_store.pull import PullError, PullRequest, inventory, split_ref, sync_tree
+from solar_host.model_store.pull import (
+    PullError,
+    PullRequest,
+    filters_satisfied,
+    inventory,
+    split_ref,
+    sync_tree,
+)
 from solar_host.model_store.streaming import Cancelled, CancelToken
 from solar_host.model_store.transfer import hash_sha256
 from solar_host.resources.probes import GB
@@ -62,6 +70,8 @@ class _Plan:
     present: int = 0  # bytes already on disk (a resume)
     digests: dict[str, str] = field(default_factory=dict)  # path -> "sha256:<hex>", checked
     revision: str | None = None  # the Hub commit pulled
+    source_digests: dict[str, str] = field(default_factory=dict)  # path -> as published
+    listed_by: str | None = None  # "peer <url>" when the source could not be reached
 
 
 class Download:
@@ -207,19 +217,14 @@ class Download:
         s = self.settings
         endpoint = s.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
         token = s.hf_token or await asyncio.to_thread(huggingface.stored_token)
+        peers = self._peers(job)
         hub = huggingface.Hub(
-            endpoint, token, job.cancel, pace=self._pace(job), waiting=job.waiting
+            endpoint, token, job.cancel, pace=self._pace(job), waiting=job.waiting, peers=peers
         )
         repo_id = (req.model_id or "").strip().strip("/")
-
-        def resolve() -> tuple[str, list[huggingface.HubFile]]:
-            commit = hub.commit(repo_id)
-            files = hub.listing(repo_id, commit, filters)
-            for f in files:
-                hub.check_metadata(repo_id, commit, f)
-            return commit, files
-
-        commit, files = await asyncio.to_thread(resolve)
+        commit, files, listed_by = await asyncio.to_thread(
+            _resolve_snapshot, hub, peers, repo_id, req.base_uri, filters
+        )
         job.bytes_total = sum(f.want.size for f in files)
         if topup and old is not None:
             # The model stays where it is, recorded and usable, while the download runs: its
@@ -235,8 +240,24 @@ class Download:
                     digests[f.path] = "sha256:" + hub.fetch(repo_id, commit, f, partial, counter)
             finally:
                 hub.close()
+                if peers is not None:
+                    peers.close()
 
-        return _Plan(fetch, filters=filters, digests=digests, revision=commit)
+        return _Plan(
+            fetch,
+            filters=filters,
+            digests=digests,
+            revision=commit,
+            source_digests={f.path: f.source_digest for f in files if f.source_digest},
+            listed_by=listed_by,
+        )
+
+    def _peers(self, job: PullJob) -> Peers | None:
+        s = self.settings
+        urls = peer_urls(s.model_peers)
+        if not urls or not s.peer_token:
+            return None
+        return Peers(urls, s.peer_token, job.cancel, pace=self._pace(job), waiting=job.waiting)
 
     def _pace(self, job: PullJob) -> Callable[[int], None] | None:
         cap = self.rate_cap
@@ -266,9 +287,16 @@ class Download:
                 speed = (counter.done - last_b) / (now - last_t) if now > last_t else None
                 if not first:
                     last_t, last_b = now, counter.done
-                waiting = job.waiting.reason
+                notes = job.waiting
                 for r in job.reporters:
-                    r.downloading(counter.done, speed, force=first, waiting=waiting)
+                    r.downloading(
+                        counter.done,
+                        speed,
+                        force=first,
+                        waiting=notes.reason,
+                        origin=notes.origin,
+                        skipped=notes.skipped,
+                    )
                 first = False
                 if done:
                     break
@@ -317,6 +345,8 @@ class Download:
             metadata.setdefault("harbor_ref", req.harbor_ref)
         if plan.revision:
             metadata["revision"] = plan.revision
+        if plan.listed_by:
+            metadata["listed_by"] = plan.listed_by
         entry = ManifestEntry(
             slug=slug,
             source_uri=req.base_uri,
@@ -334,6 +364,7 @@ class Download:
             file_digests=file_digests,
             file_sizes=dict(files),
             file_filters=plan.filters,
+            source_digests=plan.source_digests or None,
         )
         place(self.models_dir, self.manifest, src, target, entry)
         if src != partial:
@@ -364,6 +395,38 @@ def _outcome_of(fut: asyncio.Future[None]) -> None:
         if err.errno == errno.ENOSPC:
             raise PullError(507, "insufficient_storage", "Insufficient disk space.") from err
         raise PullError(500, "model_pull_failed", f"{err}") from err
+
+
+def _resolve_snapshot(
+    hub: huggingface.Hub,
+    peers: Peers | None,
+    repo_id: str,
+    source_uri: str,
+    filters: list[str] | None,
+) -> tuple[str | None, list[huggingface.HubFile], str | None]:
+    """(commit, the files `filters` select, who listed them: None for the Hub itself).
+
+    When the Hub cannot be reached, a peer's record of the snapshot stands in for its listing
+    (the digests that peer's own pull checked against the Hub); the pull says so.
+    """
+    try:
+        commit = hub.commit(repo_id)
+    except PullError as err:
+        if err.error != "source_unreachable" or peers is None:
+            raise
+        found = peers.snapshot(source_uri)
+        if found is None:
+            raise
+        peer, record = found
+        if not filters_satisfied(record.get("file_filters"), filters):
+            raise
+        log.warning("%s; listing %s as peer %s recorded it", err.detail, source_uri, peer)
+        files = huggingface.files_of_record(record, filters)
+        return record.get("revision"), files, f"peer {peer}"
+    files = hub.listing(repo_id, commit, filters)
+    for f in files:
+        hub.check_metadata(repo_id, commit, f)
+    return commit, files, None
 
 
 def _drop_unchecked(partial: Path, checked: dict[str, str]) -> None:

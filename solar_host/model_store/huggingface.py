@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from solar_host.model_store.pacing import Waiting, send_politely
+from solar_host.model_store.peers import Peers
 from solar_host.model_store.progress import ByteCounter
 from solar_host.model_store.pull import Interrupted, LowSpeedGuard, PullError, safe_relative
 from solar_host.model_store.streaming import Cancelled, CancelToken
@@ -55,7 +56,12 @@ INCOMPLETE_DIR = Path(".cache") / "solar-host"
 @dataclass(frozen=True)
 class HubFile:
     path: str  # relative posix path in the repository (checked: no escape)
-    want: Want  # size and the digest the Hub publishes
+    want: Want  # size and the digest the Hub publishes (or a peer recorded)
+    source_digest: str | None = None  # the digest the Hub publishes, when it is not want's
+
+    def __post_init__(self) -> None:
+        if self.source_digest is None:
+            object.__setattr__(self, "source_digest", self.want.digest)
 
 
 def bytes_on_disk(local_dir: Path) -> int:
@@ -103,9 +109,11 @@ class Hub:
         *,
         pace: Callable[[int], None] | None = None,
         waiting: Waiting | None = None,
+        peers: Peers | None = None,
     ) -> None:
         import requests
 
+        self.peers = peers  # asked for each file before the Hub
         self.endpoint = (endpoint or DEFAULT_ENDPOINT).rstrip("/")
         self.host = urlsplit(self.endpoint).netloc
         self.token = token
@@ -243,13 +251,20 @@ class Hub:
     ) -> str:
         """Put `f` at `local_dir/<path>`, checked; return its sha256 hex. A file already there
         that matches the digest (kept from an interrupted pull, or linked from the model on
-        disk) is kept; any other is fetched again."""
+        disk) is kept; any other is fetched again: from a peer that has it, else the Hub."""
         final = local_dir / f.path
         found = check_in_place(final, f.want)
         if found is not None:
             counter.add(f.want.size)
             return found
         final.unlink(missing_ok=True)
+        part = local_dir / INCOMPLETE_DIR / f"{f.path}.incomplete"
+        if self.peers is not None:
+            got = self.peers.fetch(f.want, part, final, counter)
+            if got is not None:
+                return got[1]
+        if self.waiting is not None:
+            self.waiting.origin = "source"
         url = self._resolve_url(repo_id, commit, f.path)
         from huggingface_hub import constants
 
@@ -265,7 +280,6 @@ class Hub:
                 502, "source_unreachable", f"The Hub answered {resp.status_code} for {f.path}"
             )
 
-        part = local_dir / INCOMPLETE_DIR / f"{f.path}.incomplete"
         guard = LowSpeedGuard(f"The Hub's body of {f.path}", MIN_RATE_BPS, RATE_WINDOW_S)
         return fetch_file(send, f.want, part, final, counter, self.cancel, guard, self.pace)
 
@@ -273,23 +287,27 @@ class Hub:
         return f"{self.endpoint}/{repo_id}/resolve/{commit}/{quote(path)}"
 
 
-def download(
-    hub: Hub,
-    repo_id: str,
-    local_dir: Path,
-    patterns: list[str] | None,
-    counter: ByteCounter,
-) -> dict[str, str]:
-    """Fetch the snapshot's files that `patterns` select into `local_dir`, each checked;
-    return {path: "sha256:<hex>"}."""
-    commit = hub.commit(repo_id)
-    files = hub.listing(repo_id, commit, patterns)
-    for f in files:
-        hub.check_metadata(repo_id, commit, f)
-    digests = {}
-    for f in files:
-        digests[f.path] = "sha256:" + hub.fetch(repo_id, commit, f, local_dir, counter)
-    return digests
+def files_of_record(record: dict[str, Any], patterns: list[str] | None) -> list[HubFile]:
+    """The files of a peer's record of a snapshot that `patterns` select (peers.snapshot)."""
+    out = []
+    for item in record.get("files") or []:
+        if not isinstance(item, dict):
+            continue
+        path, size, digest = item.get("path"), item.get("size_bytes"), item.get("digest")
+        if not (isinstance(path, str) and isinstance(size, int) and isinstance(digest, str)):
+            raise PullError(
+                502, "model_pull_failed", f"A peer listed a malformed file: {item!r:.200}"
+            )
+        if not digest.startswith("sha256:") or len(digest) != 71:
+            raise PullError(
+                502, "model_pull_failed", f"A peer listed {path} with digest {digest!r:.80}"
+            )
+        path = safe_relative(path)
+        if matches(path, patterns):
+            published = item.get("source_digest")
+            published = published if isinstance(published, str) else None
+            out.append(HubFile(path, Want(path, size, digest), published))
+    return out
 
 
 def _hub_file(item: Any) -> HubFile | None:

@@ -40,6 +40,9 @@ class ManifestEntry:
     metadata: dict[str, Any] | None = None
     file_digests: dict[str, str] | None = None  # relative posix path -> "sha256:<hex>"
     file_sizes: dict[str, int] | None = None  # relative posix path -> bytes (cache check)
+    # relative posix path -> the digest its source published ("gitsha1:<hex>" for a Hub file
+    # kept in git; an LFS file's is its sha256): what peers are asked for
+    source_digests: dict[str, str] | None = None
     file_filters: list[str] | None = None  # None: the whole repository
 
     @classmethod

@@ -59,12 +59,15 @@ class RateCap:
 
 
 class Waiting:
-    """What a pull is waiting for, if anything (written by a download thread, read by the
-    monitor that reports progress)."""
+    """What a pull is waiting for, if anything, where its bytes come from now and which peers
+    it stopped asking (written by a download thread, read by the monitor that reports
+    progress)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.until: float | None = None  # time.time() at which the wait ends
+        self.origin: str | None = None  # "source" or "peer <url>"
+        self.skipped: dict[str, str] = {}  # peer -> why it is no longer asked
 
     def set(self, reason: str, seconds: float) -> None:
         self.until = time.time() + seconds

@@ -58,6 +58,8 @@ class PullReporter:
         self.bytes_done: int | None = None
         self.speed_bps: float | None = None
         self.waiting: str | None = None  # why no bytes come now (a 429's Retry-After), if so
+        self.origin: str | None = None  # where the bytes come from now: source, or a peer
+        self.skipped: dict[str, str] = {}  # peers no longer asked, and why
 
     def _send(self, phase: str, error: str | None = None) -> None:
         if self.terminal_sent:
@@ -73,6 +75,10 @@ class PullReporter:
         }
         if self.waiting is not None and phase not in TERMINAL:
             payload["waiting"] = self.waiting
+        if self.origin is not None and phase == "downloading":
+            payload["from"] = self.origin
+        if self.skipped:
+            payload["skipped_peers"] = dict(self.skipped)
         if error is not None:
             payload["error"] = error
         try:
@@ -96,14 +102,17 @@ class PullReporter:
         *,
         force: bool = False,
         waiting: str | None = None,
+        origin: str | None = None,
+        skipped: dict[str, str] | None = None,
     ) -> None:
         """Report download progress at most every `interval_s` (unless forced, or the pull
         starts or stops waiting: that is said at once)."""
         now = self._clock()
         self.bytes_done = bytes_done
         self.speed_bps = speed_bps
-        force = force or waiting != self.waiting
-        self.waiting = waiting
+        skipped = skipped or {}
+        force = force or (waiting, origin, skipped) != (self.waiting, self.origin, self.skipped)
+        self.waiting, self.origin, self.skipped = waiting, origin, dict(skipped)
         if (
             not force
             and self._last_download_at is not None

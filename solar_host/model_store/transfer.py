@@ -124,19 +124,20 @@ def fetch_file(
     cancel: CancelToken,
     guard: LowSpeedGuard,
     pace: Callable[[int], None] | None = None,
+    resumes: int = RESUMES,
 ) -> str:
     """Fetch `want` to `final` through `part`, resuming the part; return its sha256 hex.
 
-    A dropped connection is resumed from the bytes on disk (RESUMES times at most); a file
+    A dropped connection is resumed from the bytes on disk (`resumes` times at most); a file
     already at `final` is taken as is: only a checked file is renamed there.
     """
     backoff = RESUME_BACKOFF_S
-    for attempt in range(RESUMES + 1):
+    for attempt in range(resumes + 1):
         done = counter.done
         try:
             return _fetch_once(send, want, part, final, counter, cancel, guard, pace)
         except Interrupted as err:
-            if attempt == RESUMES or cancel.is_set():
+            if attempt == resumes or cancel.is_set():
                 raise
             counter.set(done)  # what the part holds is counted again when it is resumed
             log.warning("%s: %s; resuming in %.0f s", want.name, err.detail, backoff)

@@ -1,0 +1,125 @@
+"""Pulls from peers (MODEL_PEERS): Hub bytes, wall time and throughput for 1 and 3 hosts, and a
+pull from a peer beside one from the source.
+
+Starts the loopback Hub (tests/fixtures/fakehub.py, its file bodies throttled to `--hub-mbps`
+to stand for a shared uplink; 0: unthrottled) with one model of random bytes, and whole hosts
+on loopback (tests/fixtures/host.py: uvicorn, the real routes). Then:
+
+- one host pulls the model from the Hub;
+- three hosts: host 1 pulls from the Hub, then hosts 2 and 3 pull at once with MODEL_PEERS
+  naming host 1 (and each other);
+- per pull: the bytes of file bodies the Hub served, the wall time and the throughput.
+
+Usage: PYTHONPATH=. .venv/bin/python bench/pull_peers.py [--mb 64] [--hub-mbps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.host import host_settings, running_host
+
+MB = 1_000_000
+TOKEN = "bench-peer-token-0123456789"
+BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": "huggingface://acme/m"}
+
+
+def make_model(root: Path, size: int) -> None:
+    repo = root / "acme" / "m"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text("{}")
+    with open(repo / "w.safetensors", "wb") as f:
+        left = size
+        while left:
+            n = min(left, 1 << 20)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def hub_bytes(hub: FakeHub) -> int:
+    return sum(hub.bytes_sent.values())
+
+
+async def timed_pull(h) -> float:
+    began = time.perf_counter()
+    r = await h.client.post("/models/pull", json=BODY, timeout=3600)
+    r.raise_for_status()
+    return time.perf_counter() - began
+
+
+def line(what: str, size: int, seconds: float, hub_sent: int) -> None:
+    print(
+        f"  {what:34s} {seconds:7.2f} s  {size / seconds / MB:8.1f} MB/s   "
+        f"Hub bytes {hub_sent / MB:8.1f} MB ({hub_sent / size:.2f}x the model)"
+    )
+
+
+async def run(work: Path, hub: FakeHub, size: int) -> None:
+    def settings(name: str, peers: list[str]):
+        return host_settings(
+            work / name,
+            hf_endpoint=hub.url,
+            min_free_disk_gb=0,
+            pull_progress_interval_s=1.0,
+            peer_token=TOKEN,
+            model_peers=",".join(peers),
+        )
+
+    print("1 host:")
+    async with running_host(settings("solo", [])) as solo:
+        before = hub_bytes(hub)
+        t = await timed_pull(solo)
+        line("host 1 from the Hub", size, t, hub_bytes(hub) - before)
+    print("3 hosts (2 and 3 at once, MODEL_PEERS naming the others):")
+    before = hub_bytes(hub)
+    async with contextlib.AsyncExitStack() as stack:
+        h1 = await stack.enter_async_context(running_host(settings("h1", [])))
+        t1 = await timed_pull(h1)
+        line("host 1 from the Hub", size, t1, hub_bytes(hub) - before)
+        h2 = await stack.enter_async_context(running_host(settings("h2", [h1.url])))
+        h3 = await stack.enter_async_context(running_host(settings("h3", [h1.url, h2.url])))
+        mid = hub_bytes(hub)
+        began = time.perf_counter()
+        t2, t3 = await asyncio.gather(timed_pull(h2), timed_pull(h3))
+        both = time.perf_counter() - began
+        sent = hub_bytes(hub) - mid
+        line("host 2 from peers", size, t2, sent)
+        line("host 3 from peers", size, t3, sent)
+        total = hub_bytes(hub) - before
+        print(
+            f"  all three: {t1 + both:.2f} s, Hub bytes {total / MB:.1f} MB "
+            f"({total / size:.3f}x the model; target <= 1.01x)"
+        )
+        print(f"  a pull from a peer vs from the source: {t2:.2f} s vs {t1:.2f} s ({t1 / t2:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64, help="model size in MB (10^6 bytes)")
+    ap.add_argument("--hub-mbps", type=float, default=50.0, help="Hub body rate, MB/s (0: any)")
+    args = ap.parse_args()
+    size = args.mb * MB
+    with tempfile.TemporaryDirectory(prefix="pull-peers-") as tmp:
+        work = Path(tmp)
+        make_model(work / "hub", size)
+        hub = FakeHub(work / "hub").start()
+        hub.bytes_per_s = args.hub_mbps * MB or None
+        try:
+            print(f"model {args.mb} MB; Hub bodies at {args.hub_mbps or 'any'} MB/s per connection")
+            asyncio.run(run(work, hub, size))
+        finally:
+            hub.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+# ruff: noqa: ASYNC240  (tests inspect files on disk between awaits)
+"""Pulling from peers (issue 42, ruling 26): three hosts on loopback (real uvicorn servers) and
+the loopback Hub. Host 1 pulls from the Hub; hosts 2 and 3 ask their peers first, by digest,
+and the Hub serves the model's bytes once; with the Hub down, a peer's record stands in for
+its listing; a peer that serves bytes that are not the digest is skipped and named; the peer
+routes take PEER_TOKEN only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from solar_host.events import PullProgress
+from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.host import API_KEY, host_settings, running_host
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
+
+TOKEN = "peer-secret-0123456789"
+URI = "huggingface://acme/m"
+BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": URI}
+SIZE = 2_000_000
+
+
+@pytest.fixture
+def hub(tmp_path):
+    repo = tmp_path / "hub" / "acme" / "m"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text('{"model_type": "llama"}')
+    (repo / "w.safetensors").write_bytes(os.urandom(SIZE))
+    h = FakeHub(tmp_path / "hub").start()
+    yield h
+    h.stop()
+
+
+def settings(tmp_path: Path, name: str, hub: FakeHub | str, peers: list[str]):
+    return host_settings(
+        tmp_path / name,
+        hf_endpoint=hub if isinstance(hub, str) else hub.url,
+        min_free_disk_gb=0,
+        pull_progress_interval_s=0.05,
+        peer_token=TOKEN,
+        model_peers=",".join(peers),
+    )
+
+
+class CorruptPeer:
+    """A 'host' that claims every file and serves random bytes of the size asked for."""
+
+    def __init__(self, size: int) -> None:
+        size_ = size
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                data = os.urandom(size_)
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def hub_bytes(hub: FakeHub) -> int:
+    return sum(hub.bytes_sent.values())
+
+
+async def pull(h, events: list[dict] | None = None) -> dict:
+    if events is not None:
+        h.host.bus.subscribe(lambda e: events.append(e.payload), PullProgress)
+    r = await h.client.post("/models/pull", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_three_hosts_take_the_model_from_the_hub_once(tmp_path, hub):
+    data = (hub.root / "acme" / "m" / "w.safetensors").read_bytes()
+    model_size = SIZE + len('{"model_type": "llama"}')
+    bad = CorruptPeer(SIZE)
+    try:
+        async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+            await pull(h1)
+            assert hub_bytes(hub) == model_size
+            async with running_host(settings(tmp_path, "h2", hub, [h1.url])) as h2:
+                ev2: list[dict] = []
+                res2 = await pull(h2, ev2)
+                assert Path(res2["path"], "w.safetensors").read_bytes() == data
+                assert hub_bytes(hub) == model_size  # the Hub sent no file body again
+                assert f"peer {h1.url}" in {e.get("from") for e in ev2}
+
+                # The Hub goes down; host 3 asks a corrupt peer first, then hosts 1 and 2.
+                down = hub.url
+                hub.stop()
+                peers3 = [bad.url, h1.url, h2.url]
+                async with running_host(settings(tmp_path, "h3", down, peers3)) as h3:
+                    ev3: list[dict] = []
+                    res3 = await pull(h3, ev3)
+                    assert Path(res3["path"], "w.safetensors").read_bytes() == data
+                    skipped = [e["skipped_peers"] for e in ev3 if e.get("skipped_peers")]
+                    assert skipped and bad.url in skipped[-1]
+                    assert "not its digest" in skipped[-1][bad.url]
+                    entry = h3.host.models.manifest.get(URI)
+                    assert entry.metadata["listed_by"] == f"peer {h1.url}"
+                    assert entry.file_digests == h1.host.models.manifest.get(URI).file_digests
+                    listed = (await h3.client.get("/models")).json()
+                    assert [m["name"] for m in listed] == ["hf--acme--m"]
+        # Over the three pulls the Hub served the model's bytes once: at most 1.01x its size.
+        assert hub_bytes(hub) <= 1.01 * model_size
+    finally:
+        bad.stop()
+
+
+async def test_peer_routes_take_the_peer_token_and_nothing_else(tmp_path, hub):
+    async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+        await pull(h1)
+        digest = h1.host.models.manifest.get(URI).file_digests["w.safetensors"]
+        url = f"{h1.url}/peer/v1/files/{digest}"
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await c.get(url)).status_code == 401
+            assert (await c.get(url, headers={"X-API-Key": API_KEY})).status_code == 401
+            bearer_key = {"Authorization": f"Bearer {API_KEY}"}
+            assert (await c.get(url, headers=bearer_key)).status_code == 401
+            peer = {"Authorization": f"Bearer {TOKEN}"}
+            r = await c.get(url, headers={**peer, "Range": "bytes=10-19"})
+            assert r.status_code == 206 and len(r.content) == 10
+            whole = Path(h1.host.models.manifest.get(URI).path, "w.safetensors").read_bytes()
+            assert r.content == whole[10:20]
+            assert (await c.post(url, headers=peer)).status_code == 405  # read-only
+            unknown = f"{h1.url}/peer/v1/files/sha256:{'0' * 64}"
+            assert (await c.get(unknown, headers=peer)).status_code == 404
+            bad = f"{h1.url}/peer/v1/files/..%2F..%2Fetc%2Fpasswd"
+            assert (await c.get(bad, headers=peer)).status_code in (404, 422)
+            listing = f"{h1.url}/peer/v1/models?source_uri={URI}"
+            r = await c.get(listing, headers=peer)
+            assert r.status_code == 200
+            assert {f["path"] for f in r.json()["files"]} == {"config.json", "w.safetensors"}
+            # A file changed on disk since its pull is not served.
+            Path(h1.host.models.manifest.get(URI).path, "w.safetensors").write_bytes(b"x")
+            assert (await c.get(url, headers=peer)).status_code == 404
+    # No PEER_TOKEN, or one equal to the API key: nothing is served.
+    for token in ("", API_KEY):
+        s = host_settings(tmp_path / f"off{len(token)}", peer_token=token)
+        async with running_host(s) as h:
+            async with httpx.AsyncClient(timeout=30) as c:
+                r = await c.get(
+                    f"{h.url}/peer/v1/models?source_uri={URI}",
+                    headers={"Authorization": f"Bearer {token or 'anything'}"},
+                )
+                assert r.status_code == 404
+
+
+async def test_a_pull_with_no_peer_that_has_the_model_takes_it_from_the_hub(tmp_path, hub):
+    async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+        async with running_host(
+            settings(tmp_path, "h2", hub, [h1.url, "http://127.0.0.1:9"])
+        ) as h2:
+            ev: list[dict] = []
+            await asyncio.wait_for(pull(h2, ev), 60)
+            assert "source" in {e.get("from") for e in ev}
+            assert hub_bytes(hub) == SIZE + len('{"model_type": "llama"}')
