@@ -177,3 +177,37 @@ async def test_a_pull_with_no_peer_that_has_the_model_takes_it_from_the_hub(tmp_
             await asyncio.wait_for(pull(h2, ev), 60)
             assert "source" in {e.get("from") for e in ev}
             assert hub_bytes(hub) == SIZE + len('{"model_type": "llama"}')
+
+
+async def test_an_artifact_of_the_registry_is_taken_from_a_peer_too(tmp_path):
+    from tests.fixtures.hostile_peers import HostileOCI
+
+    registry = HostileOCI()
+    data = os.urandom(500_000)
+    registry.add_artifact("proj/m", "v1", {"m.gguf": data, "config.json": b"{}"})
+    body = {"source": "harbor", "source_uri": "repo://m:v1", "harbor_ref": "proj/m:v1"}
+
+    def blob_gets() -> int:
+        return sum(1 for path, _ in registry.bad.seen_auth if "/blobs/" in path)
+
+    def for_registry(name: str, peers: list[str]):
+        return host_settings(
+            tmp_path / name,
+            harbor_url=registry.url,
+            min_free_disk_gb=0,
+            pull_progress_interval_s=0.05,
+            peer_token=TOKEN,
+            model_peers=",".join(peers),
+        )
+
+    try:
+        async with running_host(for_registry("h1", [])) as h1:
+            assert (await h1.client.post("/models/pull", json=body)).status_code == 200
+            assert blob_gets() == 2
+            async with running_host(for_registry("h2", [h1.url])) as h2:
+                r = await h2.client.post("/models/pull", json=body)
+                assert r.status_code == 200, r.text
+                assert Path(r.json()["path"], "m.gguf").read_bytes() == data
+                assert blob_gets() == 2  # the manifest came from the registry, no blob did
+    finally:
+        registry.stop()

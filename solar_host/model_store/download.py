@@ -37,7 +37,7 @@ from solar_host.model_store.pull import (
     sync_tree,
 )
 from solar_host.model_store.streaming import Cancelled, CancelToken
-from solar_host.model_store.transfer import hash_sha256
+from solar_host.model_store.transfer import Want, hash_sha256
 from solar_host.resources.probes import GB
 from solar_host.settings import Settings
 
@@ -188,12 +188,25 @@ class Download:
             )
         job.bytes_total = sum(x.size for x in layers)
         blobs = partial / "blobs"
+        peers = self._peers(job)
 
         def fetch() -> None:
-            for layer in layers:
-                if job.cancel.is_set():
-                    raise Cancelled()
-                registry.fetch_blob(repo, layer, blobs, counter, job.cancel)
+            try:
+                for layer in layers:
+                    if job.cancel.is_set():
+                        raise Cancelled()
+                    # A file layer is a file on a peer that pulled the artifact (a directory
+                    # layer is unpacked there: only the registry has its blob).
+                    if peers is not None and not layer.unpack:
+                        name = f"sha256-{layer.hex}"
+                        want = Want(layer.title, layer.size, layer.digest)
+                        if peers.fetch(want, blobs / f"{name}.part", blobs / name, counter):
+                            continue
+                    job.waiting.origin = "source"
+                    registry.fetch_blob(repo, layer, blobs, counter, job.cancel)
+            finally:
+                if peers is not None:
+                    peers.close()
 
         present = await asyncio.to_thread(_bytes_present, blobs, layers)
         return _Plan(fetch, layers=layers, manifest_digest=manifest_digest, present=present)
