@@ -8,6 +8,7 @@ routes take PEER_TOKEN only."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import sys
 import threading
@@ -211,3 +212,50 @@ async def test_an_artifact_of_the_registry_is_taken_from_a_peer_too(tmp_path):
                 assert blob_gets() == 2  # the manifest came from the registry, no blob did
     finally:
         registry.stop()
+
+
+class HalfPeer(CorruptPeer):
+    """Serves the first half of the true file, then closes the connection."""
+
+    def __init__(self, data: bytes) -> None:
+        self.served: list[int] = []
+        served = self.served
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if hashlib.sha256(data).hexdigest() not in self.path:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data[: len(data) // 2])
+                self.close_connection = True
+                served.append(len(data) // 2)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+async def test_what_a_peer_that_failed_mid_file_sent_is_not_kept(tmp_path, hub):
+    """A peer that drops the connection halfway: its bytes are cut from the part (nothing
+    vouches for them), and the file comes whole from the Hub."""
+    data = (hub.root / "acme" / "m" / "w.safetensors").read_bytes()
+    half = HalfPeer(data)
+    try:
+        async with running_host(settings(tmp_path, "h1", hub, [half.url])) as h1:
+            res = await pull(h1)
+            assert Path(res["path"], "w.safetensors").read_bytes() == data
+            assert half.served == [SIZE // 2]  # asked first, and failed halfway
+            assert hub.bytes_sent["w.safetensors"] == SIZE
+    finally:
+        half.stop()
