@@ -111,9 +111,9 @@ class PullReporter:
         self.bytes_done = bytes_done
         self.speed_bps = speed_bps
         skipped = skipped or {}
-        # A wait starting or ending, or a peer skipped, is said at once; where the bytes come
-        # from rides on the next event (it may change with every file).
-        force = force or (waiting, skipped) != (self.waiting, self.skipped)
+        # A wait starting or ending, a peer skipped, or the bytes coming from elsewhere is said
+        # at once (at most once per file for the last: files are fetched one at a time).
+        force = force or (waiting, origin, skipped) != (self.waiting, self.origin, self.skipped)
         self.waiting, self.origin, self.skipped = waiting, origin, dict(skipped)
         if (
             not force
