@@ -1096,7 +1096,7 @@ async def test_a_control_that_stops_reading_cannot_grow_the_hosts_queues(tmp_pat
     import signal
     import sys
 
-    from solar_host.control.client import MAX_QUEUED_PACKETS
+    from solar_host.control.connection import MAX_QUEUED_PACKETS
 
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -1306,10 +1306,10 @@ async def test_a_control_that_falls_silent_is_left_for_the_next_one(
     """Engine.IO takes its ping timeouts from the server: a control that announced an hour and
     fell silent after its ack kept the host registered to a dead peer for that hour, never
     failing over. Silence past MAX_SILENCE_S closes the link."""
-    from solar_host.control import client
+    from solar_host.control import connection
     from tests.fixtures.raw_control import serve_raw
 
-    monkeypatch.setattr(client, "MAX_SILENCE_S", 2.0)
+    monkeypatch.setattr(connection, "MAX_SILENCE_S", 2.0)
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(60)
@@ -1361,7 +1361,7 @@ async def test_a_report_past_controls_message_limit_is_named_in_the_log(
             await instances.create(
                 {"backend_type": "llamacpp", "alias": f"a{i}", "model": "m.gguf", "pad": "x" * 900}
             )
-        with caplog.at_level("ERROR", logger="solar_host.control.client"):
+        with caplog.at_level("ERROR", logger="solar_host.control.telemetry"):
             link = await started_link(host)
             try:
                 await wait_for(lambda: link.oversized_reports >= 1, 10)
