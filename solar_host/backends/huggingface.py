@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from solar_host.backends.base import (
     VISION_CAPABILITIES,
@@ -73,15 +73,45 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+HuggingFaceConfig = (
+    HuggingFaceCausalConfig
+    | HuggingFaceClassificationConfig
+    | HuggingFaceEmbeddingConfig
+    | HuggingFaceVisionConfig
+)
+
+
+def model_id_of(config: BackendConfigBase) -> str | None:
+    """An HF config's model_id (None for a config of another backend)."""
+    return config.model_id if isinstance(config, HuggingFaceConfigBase) else None
+
+
 def model_dir_of(config: BackendConfigBase, models_dir: Path) -> Path | None:
     """The model directory when model_id names one (absolute, or relative to MODELS_DIR)."""
-    raw = getattr(config, "model_id", None)
+    raw = model_id_of(config)
     if not raw:
         return None
     path = Path(raw)
     if not path.is_absolute():
         path = models_dir / path
     return path if path.is_dir() else None
+
+
+def _kind_flags(hf: HuggingFaceConfig) -> list[str]:
+    """The flags that only one kind of model takes."""
+    flags: list[str] = []
+    if isinstance(hf, HuggingFaceCausalConfig | HuggingFaceVisionConfig) and hf.use_flash_attention:
+        flags.append("--use-flash-attention")
+    if isinstance(hf, HuggingFaceClassificationConfig) and hf.labels:
+        flags += ["--labels-json", json.dumps(list(hf.labels), ensure_ascii=False)]
+    if isinstance(hf, HuggingFaceEmbeddingConfig) and hf.normalize_embeddings:
+        flags.append("--normalize-embeddings")
+    if isinstance(hf, HuggingFaceVisionConfig):
+        if hf.allow_image_urls:
+            flags.append("--allow-image-urls")
+        flags += ["--max-images", str(hf.max_images)]
+        flags += ["--max-image-bytes", str(hf.max_image_bytes)]
+    return flags
 
 
 class HFLogParser:
@@ -178,9 +208,12 @@ class HuggingFaceBackend(BackendBase):
             raise KeyError(f"Unknown HuggingFace backend_type: {backend_type!r}") from None
 
     def launch(self, config: BackendConfigBase, ctx: LaunchContext) -> LaunchSpec:
-        if config.backend_type not in MODEL_TYPES:
+        if config.backend_type not in MODEL_TYPES or not isinstance(
+            config, CONFIGS[config.backend_type]
+        ):
             raise LaunchError(f"Unknown HuggingFace backend_type: {config.backend_type!r}")
-        model_id = getattr(config, "model_id", None)
+        hf = cast(HuggingFaceConfig, config)  # CONFIGS[backend_type], checked above
+        model_id = hf.model_id
         if not model_id:
             raise LaunchError(
                 "HuggingFace instance has no model_id: pull the model first "
@@ -201,30 +234,19 @@ class HuggingFaceBackend(BackendBase):
             "--port",
             str(ctx.port),
             "--device",
-            str(getattr(config, "device", "auto")),
+            str(hf.device),
             "--dtype",
-            str(getattr(config, "dtype", "auto")),
+            str(hf.dtype),
             "--max-length",
-            str(getattr(config, "max_length", 4096)),
+            str(hf.max_length),
             "--max-batch-size",
-            str(getattr(config, "max_batch_size", 32)),
+            str(hf.max_batch_size),
             "--batch-window-ms",
-            str(getattr(config, "batch_window_ms", 2.0)),
+            str(hf.batch_window_ms),
         ]
-        if getattr(config, "trust_remote_code", False):
+        if hf.trust_remote_code:
             argv.append("--trust-remote-code")
-        if getattr(config, "use_flash_attention", False):
-            argv.append("--use-flash-attention")
-        labels = getattr(config, "labels", None)
-        if labels:
-            argv += ["--labels-json", json.dumps(list(labels), ensure_ascii=False)]
-        if getattr(config, "normalize_embeddings", False):
-            argv.append("--normalize-embeddings")
-        if config.backend_type == "huggingface_vision":
-            if getattr(config, "allow_image_urls", False):
-                argv.append("--allow-image-urls")
-            argv += ["--max-images", str(getattr(config, "max_images", 8))]
-            argv += ["--max-image-bytes", str(getattr(config, "max_image_bytes", 10485760))]
+        argv += _kind_flags(hf)
         keys = [k for k in (ctx.host_api_key, config.api_key) if k]
         if any("," in k for k in keys):
             raise LaunchError("API keys for the HuggingFace server must not contain commas")
@@ -251,7 +273,7 @@ class HuggingFaceBackend(BackendBase):
         return config.alias
 
     def model_paths(self, config: BackendConfigBase) -> list[str]:
-        model_id = getattr(config, "model_id", None)
+        model_id = model_id_of(config)
         return [model_id] if model_id and Path(model_id).is_absolute() else []
 
     def is_available(self, facts: HostFacts) -> bool:

@@ -83,9 +83,9 @@ class HFServer:
             )
         self.images = ImageLoader(
             ImagePolicy(
-                allow_urls=getattr(args, "allow_image_urls", False),
-                max_images=getattr(args, "max_images", 8),
-                max_bytes=getattr(args, "max_image_bytes", 10 * 1024 * 1024),
+                allow_urls=args.allow_image_urls,
+                max_images=args.max_images,
+                max_bytes=args.max_image_bytes,
             )
         )
         # The largest body read: for a vision model, room for every allowed image as base64,
@@ -98,7 +98,7 @@ class HFServer:
         self.requests = RequestLog()
         self.generations: Generations | None = None
         if args.model_type in ("causal", "vision"):
-            threads = getattr(args, "threads", None)
+            threads = args.threads  # set by the load (hf_server.load)
             self.generations = Generations(
                 engine,
                 device,
@@ -306,7 +306,7 @@ class HFServer:
         tuner = getattr(self.engine, "tuner", None)
         if tuner is not None:
             return tuner.stats()
-        threads = getattr(self.args, "threads", None)
+        threads = self.args.threads
         return {"threads": threads[0], "us_per_token": {}} if threads else None
 
     def stats(self) -> dict[str, Any]:
