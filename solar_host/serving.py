@@ -298,6 +298,7 @@ def staged_app(settings: Settings, **overrides: Any) -> StagedApp:
 
     def build_api() -> ASGIApp:
         without_pydantic_v1()
+        import_fastapi_deferring_openapi_models()
         from solar_host.app import create_api
 
         return create_api(host)
@@ -314,6 +315,33 @@ def without_pydantic_v1() -> None:
     MiB). tests/test_router_without_pydantic_v1.py builds and calls the router this way in a
     process of its own, so a FastAPI that comes to need pydantic.v1 fails there."""
     sys.modules.setdefault("pydantic.v1", None)  # type: ignore[arg-type]
+
+
+def import_fastapi_deferring_openapi_models() -> None:
+    """Import FastAPI with pydantic's `defer_build` on, unless something already imported it.
+
+    fastapi.openapi.models (imported by fastapi.params, so by any FastAPI) declares about 40
+    pydantic models of the OpenAPI document and built every one at import: about 30 ms of CPU,
+    a quarter of the router's build, for a schema only /openapi.json and /docs ever validate.
+    Deferred, each is built the first time it is used (the OpenAPI document at the first
+    /openapi.json; the few its security classes make), and behaves the same from then on.
+    pydantic has no switch for one module: its default for every model is turned on for the
+    import and off after it. A model another thread declares meanwhile is only built later.
+    tests/test_router_without_pydantic_v1.py checks, in a process of its own, that the
+    OpenAPI document served this way is the one an eager build serves."""
+    if "fastapi" in sys.modules:
+        return
+    try:
+        from pydantic._internal._config import config_defaults
+    except ImportError:  # a pydantic that moved its defaults: FastAPI builds them at import
+        return
+    if config_defaults.get("defer_build") is not False:
+        return
+    config_defaults["defer_build"] = True
+    try:
+        import fastapi  # noqa: F401
+    finally:
+        config_defaults["defer_build"] = False
 
 
 def serve(settings: Settings, **overrides: Any) -> int:
