@@ -19,12 +19,11 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from solar_host.backends.base import Backend
 from solar_host.estimates.hooks import end_start, hold_adopted
 from solar_host.instances import ownership
 from solar_host.instances import process as procs
@@ -32,14 +31,13 @@ from solar_host.instances.errors import InstanceConflict, InstanceNotFound, Star
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import is_healthy, probe_address
 from solar_host.instances.lease import Lease
-from solar_host.instances.logs import LogFollower, LogRing, count_lines, tail_lines
+from solar_host.instances.logs import count_lines, tail_lines
 from solar_host.instances.states import InstanceStatus
-from solar_host.instances.store import ProcessRecord, StoredInstance
-from solar_host.instances.telemetry import Telemetry
+from solar_host.instances.store import ProcessRecord
+from solar_host.instances.supervising import Supervising
 
 if TYPE_CHECKING:
-    from solar_host.instances.context import SupervisorContext
-    from solar_host.platform.logging_setup import Redactor
+    pass
 
 log = logging.getLogger(__name__)
 S = InstanceStatus
@@ -232,86 +230,31 @@ async def end_remains(rec: ProcessRecord, instance_id: str) -> list[str]:
 ADOPTED_RELISTEN_S = 10.0
 
 
-class Supervising(Protocol):
-    """What the adoption flow uses of an instance's supervisor (supervisor.py): its records,
-    its one status writer, and the start, stop and crash steps adoption hands over to."""
-
-    id: str
-    ctx: SupervisorContext
-    stored: StoredInstance
-    lease: Lease | None
-    lock: asyncio.Lock
-    deleted: bool
-    counters: dict[str, int]
-    ring: LogRing
-    telemetry: Telemetry
-    start_task: asyncio.Task[Any] | None
-    stop_task: asyncio.Task[Any] | None
-    adopt_task: asyncio.Task[Any] | None
-    ready: asyncio.Event | None
-
-    @property
-    def instance(self) -> Any: ...
-    @property
-    def status(self) -> InstanceStatus: ...
-    @property
-    def proc(self) -> procs.BackendProcess | None: ...
-    @property
-    def follower(self) -> LogFollower | None: ...
-    def backend(self) -> Backend: ...
-    def set_status(
-        self, new: InstanceStatus, *, reason: str = "", recovery: bool = False, **fields: Any
-    ) -> None: ...
-    def watch(self, proc: procs.BackendProcess) -> None: ...
-    def follow(self, path: Path, offset: int, ready_check: Backend | None) -> None: ...
-    def wait_ready(
-        self, proc: procs.BackendProcess, backend: Backend, host: str, port: int, timeout: float
-    ) -> Awaitable[None]: ...
-    async def release(self) -> None: ...
-    def after_stop_hook(self) -> None: ...
-    def tail(self) -> list[str]: ...
-    def bearer(self) -> str: ...
-    def redactor(self) -> Redactor: ...
-    async def run_start(
-        self,
-        *,
-        restart: bool = False,
-        attempts: int | None = None,
-        deadline: float | None = None,
-        undo_intent: bool = False,
-    ) -> Any: ...
-    async def record_crash(
-        self, proc: procs.BackendProcess, reason: str, code: int | None
-    ) -> None: ...
-    async def record_stopped(self, left_behind: list[str] | None = None) -> None: ...
-    async def begin_start(
-        self, *, undo_intent: bool | None = None, restart_op: bool = False
-    ) -> None: ...
-
-
 def _retrieved(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
 
-async def adopt(
-    sup: Supervising,
-    listening: dict[int, set[int]] | None = None,
-    ours: dict[str, list[ownership.Identity]] | None = None,
-) -> str:
-    """Take back a backend the host left running, fast: identity, marker and listener only
-    (the API binds only after every supervisor answered). Slower work (log attach, health,
-    readiness of a backend still loading) continues in the background.
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A backend of the instance that a previous host process left running."""
 
-    Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
-    host died: it is finished in the background) or "gone" (nothing of ours to adopt).
-    `listening`: ownership.listeners() read once for every adoption of a boot; `ours`:
-    ownership.ours_running(), idem. A backend that carries this instance's marker is
-    adopted even when config.json does not record it (see unrecorded_process).
-    """
+    proc: procs.BackendProcess
+    rec: ProcessRecord
+    status: InstanceStatus  # what the records say was going on (starting when unrecorded)
+    recorded: bool  # the recorded process itself, not a marker carrier found without it
+
+
+async def find(
+    sup: Supervising,
+    listening: dict[int, set[int]] | None,
+    ours: dict[str, list[ownership.Identity]] | None,
+) -> Found | None:
+    """The instance's backend left running, by its record or else by its marker; None when
+    nothing of it runs (what is left of a dead one is ended, and said in its message)."""
     rec = sup.stored.process
     proc: procs.BackendProcess | None = None
-    recorded = False  # the recorded process itself (not a marker carrier found without it)
+    recorded = False
     if rec is not None:
         proc, why = await asyncio.to_thread(recorded_process, rec, sup.ctx.marker(sup.id))
         recorded = proc is not None
@@ -322,7 +265,6 @@ async def adopt(
             if fixed is not rec:
                 sup.stored.process = rec = fixed
     inst = sup.instance
-    # What the records say was going on; a backend found without a record was starting.
     status = inst.status
     carrying = (ours or {}).get(sup.id)
     if proc is None and sup.stored.want_running and carrying:
@@ -355,7 +297,30 @@ async def adopt(
             if left:
                 sup.stored.instance.error_message = "; ".join(left)
         sup.stored.process = None
+        return None
+    return Found(proc, rec, status, recorded)
+
+
+async def adopt(
+    sup: Supervising,
+    listening: dict[int, set[int]] | None = None,
+    ours: dict[str, list[ownership.Identity]] | None = None,
+) -> str:
+    """Take back a backend the host left running, fast: identity, marker and listener only
+    (the API binds only after every supervisor answered). Slower work (log attach, health,
+    readiness of a backend still loading) continues in the background.
+
+    Returns "running" or "starting" (adopted), "stopping" (a stop was under way when the
+    host died: it is finished in the background) or "gone" (nothing of ours to adopt).
+    `listening`: ownership.listeners() read once for every adoption of a boot; `ours`:
+    ownership.ours_running(), idem. A backend that carries this instance's marker is
+    adopted even when config.json does not record it (see unrecorded_process).
+    """
+    found = await find(sup, listening, ours)
+    if found is None:
         return "gone"
+    proc, rec, status, recorded = found.proc, found.rec, found.status, found.recorded
+    inst = sup.instance
     sup.lease = Lease(proc, rec.port, sup.ctx.ports)
     if sup.stored.last_port != rec.port:
         sup.stored.last_port = rec.port
@@ -582,3 +547,14 @@ def start_ended_unheard(sup: Supervising, task: asyncio.Task[Any]) -> None:
         log.warning("start of %s after its unfinished stop failed: %s", sup.id, err)
     elif err is not None:
         log.error("start of %s after its unfinished stop failed", sup.id, exc_info=err)
+
+
+async def end_recorded(rec: ProcessRecord | None, marker: str, grace_s: float) -> None:
+    """Delete path: no backend of the instance survives, workers included: the recorded one
+    if it is still ours, then whatever carries its marker."""
+    proc, _ = await asyncio.to_thread(recorded_process, rec, marker)
+    if proc is not None:
+        await procs.terminate(proc, grace_s)
+    strays = await asyncio.to_thread(ownership.carriers, marker)
+    if strays:
+        await procs.end_processes(strays, min(grace_s, 5.0))

@@ -9,10 +9,48 @@ adopted backend that never became ready): `stop_watching()` then `release_port()
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
 
+from solar_host.backends.base import Backend
+from solar_host.events import EventBus, LogLine
 from solar_host.instances import process as procs
-from solar_host.instances.logs import LogFollower
+from solar_host.instances.logs import InotifyHub, LogFollower, LogRing
 from solar_host.instances.ports import PortAllocator
+from solar_host.instances.telemetry import Telemetry
+from solar_host.platform.logging_setup import Redactor
+from solar_host.settings import Settings
+
+
+class LineSink:
+    """Where a backend's log lines go as they are read: redacted into the instance's ring and
+    onto the bus, raw into its telemetry parser, and past the ready check of a start."""
+
+    def __init__(
+        self,
+        ring: LogRing,
+        bus: EventBus,
+        instance_id: str,
+        telemetry: Telemetry,
+        redact: Redactor,
+        ready_check: Backend | None,
+        ready: Callable[[], asyncio.Event | None],
+    ) -> None:
+        self.ring, self.bus, self.instance_id = ring, bus, instance_id
+        self.telemetry, self.redact = telemetry, redact
+        self.ready_check, self.ready = ready_check, ready
+
+    def __call__(self, lines: list[str]) -> None:
+        ts = datetime.now(UTC).isoformat()
+        entries = self.ring.append_many([self.redact(line) for line in lines], ts)
+        for e in entries:
+            self.bus.publish(LogLine(self.instance_id, e.seq, ts, e.line))
+        self.telemetry.feed(lines)
+        ready, check = self.ready(), self.ready_check
+        if check is not None and ready is not None and not ready.is_set():
+            if any(check.is_ready_line(line) for line in lines):
+                ready.set()
 
 
 class Lease:
@@ -25,9 +63,28 @@ class Lease:
         self.metrics_task: asyncio.Task[None] | None = None
         self.liveness_task: asyncio.Task[None] | None = None
 
-    def follow(self, follower: LogFollower) -> None:
-        self.follower = follower
-        follower.start()
+    def follow_log(
+        self,
+        path: Path,
+        offset: int,
+        on_lines: Callable[[list[str]], None],
+        inotify: InotifyHub | None,
+        settings: Settings,
+        *,
+        on_rotate: Callable[[int], None],
+    ) -> None:
+        """Follow the backend's log file from `offset`, within the log bounds of `settings`."""
+        self.follower = LogFollower(
+            path,
+            on_lines,
+            inotify,
+            offset=offset,
+            max_line_bytes=settings.log_line_max_bytes,
+            max_file_bytes=settings.log_file_max_bytes,
+            generations=settings.log_file_generations,
+            on_rotate=on_rotate,
+        )
+        self.follower.start()
 
     def cancel_watchers(self) -> None:
         """Stop polling it (metrics, liveness); its exit is still watched."""
@@ -35,13 +92,17 @@ class Lease:
             if task is not None and not task.done():
                 task.cancel()
 
-    async def stop_watching(self) -> None:
-        """Stop every watcher (the exit watch too, unless it is the caller: crash handling
-        runs in it) and read the rest of its log."""
+    def stop_watchers(self) -> None:
+        """Stop every watcher, the exit watch too (unless it is the caller: crash handling
+        runs in it): what follows its end is the caller's, not a crash."""
         self.cancel_watchers()
         task = self.watch_task
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
+
+    async def stop_watching(self) -> None:
+        """Stop every watcher and read the rest of its log."""
+        self.stop_watchers()
         if self.follower is not None:
             await self.follower.stop(flush=True)
             self.follower = None

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from solar_host.backends.base import HostFacts
 from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
-from solar_host.instances import boot, ownership
+from solar_host.instances import adoption, boot, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.context import SupervisorContext
 from solar_host.instances.errors import (
@@ -617,7 +617,10 @@ class InstanceManager:
                 raise
             sup.deleted = True
             sup._cancel(sup.restart_task)
-            await sup.kill_recorded()
+            await adoption.end_recorded(
+                sup.stored.process, self.marker(instance_id), self.settings.stop_grace_s
+            )
+            sup.stored.process = None
         sup.ring.notify()  # log streamers wake, see the instance gone, and close
         sup.after_stop_hook()
         return sup.instance

@@ -14,12 +14,12 @@ import time
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from solar_host.backends.base import Backend, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start
-from solar_host.events import InstanceCrashed, InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import adoption, health, launch, ownership
+from solar_host.events import InstanceStartFinished, InstanceStartTimed
+from solar_host.instances import adoption, crashes, health, launch, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.errors import (
     InstanceConflict,
@@ -29,7 +29,7 @@ from solar_host.instances.errors import (
 )
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import probe_address
-from solar_host.instances.lease import Lease
+from solar_host.instances.lease import Lease, LineSink
 from solar_host.instances.logs import LogFollower, LogRing, new_log_path
 from solar_host.instances.restarts import CrashLoop, RestartPolicy
 from solar_host.instances.states import InstanceStatus, check_transition
@@ -58,10 +58,10 @@ class Supervisor:
         self.start_task: asyncio.Task[Any] | None = None
         self.restart_task: asyncio.Task[None] | None = None
         # Why the host ended a running backend itself (it stopped answering): the crash's reason.
-        self._ended_why: str | None = None
+        self.ended_why: str | None = None
         self.crashes = CrashLoop(RestartPolicy.of(ctx.settings))
         # The failure a scheduled restart follows, without the "restarting in" note.
-        self._crash_reason: str | None = None
+        self.crash_reason: str | None = None
         self.counters = {"starts": 0, "start_failures": 0, "restarts": 0, "crashes": 0}
         self.ready: asyncio.Event | None = None
         self._backend: Backend | None = None
@@ -235,7 +235,7 @@ class Supervisor:
                 self.stored.want_running = False
                 await self.ctx.persist()
             if not restart:
-                await self._nothing_due()
+                await self.nothing_due()
             raise
         token = instance_id_var.set(self.id)
         settings = self.ctx.settings
@@ -255,35 +255,9 @@ class Supervisor:
                     await self._attempt(attempt, min(settings.instance_ready_timeout_s, remaining))
                 except AttemptFailed as err:
                     last = err
-                    log.warning(
-                        "start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason
-                    )
-                    # What failed now often clears in a moment (a port or GPU memory that the
-                    # crashed process still held): pause before the next attempt, doubling.
-                    pause = self.crashes.policy.attempt_pause(attempt, deadline - time.monotonic())
-                    again = err.retryable and attempt + 1 < attempts and deadline > time.monotonic()
-                    # What comes next is said with the failure ("failed" alone reads as final).
-                    due = f"; next attempt in {pause:.1f}s ({attempt + 2} of {attempts})"
-                    self.set_status(
-                        S.FAILED,
-                        reason="start_failed",
-                        error_message=err.reason + (due if again else ""),
-                        retry_count=attempt + 1,
-                        pid=None,
-                        port=None,
-                        started_at=None,
-                    )
-                    if again or not restart:
-                        # On disk with the failure: a host killed or handed over in the pause
-                        # starts it at boot instead of leaving it failed; after the last
-                        # attempt, nothing is due (a crash restart's: see _restart_after).
-                        self.stored.restart_due = again
-                    await self.ctx.persist()
-                    if not err.retryable:
-                        break
-                    if again and pause > 0:
-                        await asyncio.sleep(pause)
-                    continue
+                    if await self._attempt_failed(err, attempt, attempts, deadline, restart):
+                        continue
+                    break
                 if self.stored.restart_due:
                     # It serves: nothing is due. Not awaited, as the ready state's own save.
                     self.stored.restart_due = False
@@ -291,36 +265,73 @@ class Supervisor:
                 self.counters["starts"] += 1
                 self.ctx.bus.publish(InstanceStartFinished(self.id, True, restart))
                 return self.reached()
-            reason = (
-                last.reason
-                if last
-                else (f"start deadline of {settings.start_deadline_s:.0f}s exceeded")
-            )
-            if self.status != S.FAILED:
-                self.set_status(S.FAILED, reason="start_failed", error_message=reason)
-                await self.ctx.persist()
-            self.ctx.bus.publish(InstanceStartFinished(self.id, False, restart))
-            self.counters["start_failures"] += 1
-            raise StartFailed(
-                self.id,
-                reason,
-                last.exit_code if last else None,
-                self.tail(),
-                retryable=last.retryable if last else True,
-            )
+            await self._out_of_attempts(last, restart)
         except Exception:
             # Out of attempts or time, or ended by what no attempt retries (a port taken, a
             # failed write): it stays as it is. Whether a failed crash restart is tried again
             # is the restart loop's decision (_restart_after). A cancel (a stop, a hand-over)
             # is not an end: the stop decides, and a hand-over leaves what is due on disk.
             if not restart:
-                await self._nothing_due()
+                await self.nothing_due()
             raise
         finally:
             end_start(self)
             instance_id_var.reset(token)
 
-    async def _nothing_due(self) -> None:
+    async def _attempt_failed(
+        self, err: AttemptFailed, attempt: int, attempts: int, deadline: float, restart: bool
+    ) -> bool:
+        """Record a failed attempt, with what comes next; True after the pause before the next
+        attempt, False when this start ends here."""
+        log.warning("start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason)
+        # What failed now often clears in a moment (a port or GPU memory that the crashed
+        # process still held): pause before the next attempt, doubling.
+        pause = self.crashes.policy.attempt_pause(attempt, deadline - time.monotonic())
+        again = err.retryable and attempt + 1 < attempts and deadline > time.monotonic()
+        # What comes next is said with the failure ("failed" alone reads as final).
+        due = f"; next attempt in {pause:.1f}s ({attempt + 2} of {attempts})"
+        self.set_status(
+            S.FAILED,
+            reason="start_failed",
+            error_message=err.reason + (due if again else ""),
+            retry_count=attempt + 1,
+            pid=None,
+            port=None,
+            started_at=None,
+        )
+        if again or not restart:
+            # On disk with the failure: a host killed or handed over in the pause starts it at
+            # boot instead of leaving it failed; after the last attempt, nothing is due (a
+            # crash restart's: see _restart_after).
+            self.stored.restart_due = again
+        await self.ctx.persist()
+        if not err.retryable:
+            return False
+        if again and pause > 0:
+            await asyncio.sleep(pause)
+        return True
+
+    async def _out_of_attempts(self, last: AttemptFailed | None, restart: bool) -> NoReturn:
+        """The start ends failed: out of attempts or time, or refused for good."""
+        reason = (
+            last.reason
+            if last
+            else f"start deadline of {self.ctx.settings.start_deadline_s:.0f}s exceeded"
+        )
+        if self.status != S.FAILED:
+            self.set_status(S.FAILED, reason="start_failed", error_message=reason)
+            await self.ctx.persist()
+        self.ctx.bus.publish(InstanceStartFinished(self.id, False, restart))
+        self.counters["start_failures"] += 1
+        raise StartFailed(
+            self.id,
+            reason,
+            last.exit_code if last else None,
+            self.tail(),
+            retryable=last.retryable if last else True,
+        )
+
+    async def nothing_due(self) -> None:
         """No restart or retry is due any more (see StoredInstance.restart_due): on disk."""
         if self.stored.restart_due:
             self.stored.restart_due = False
@@ -404,6 +415,19 @@ class Supervisor:
             log_path=log_path,
             seq_base=self.ring.next_seq,
         )
+        await self._until_ready(proc, backend, config, port, timeout, spawned_at, log_path)
+
+    async def _until_ready(
+        self,
+        proc: procs.BackendProcess,
+        backend: Backend,
+        config: Any,
+        port: int,
+        timeout: float,
+        spawned_at: float,
+        log_path: Path,
+    ) -> None:
+        """A spawned backend, from its record on disk to running (or torn down)."""
         self.ready = asyncio.Event()
         self.follow(log_path, offset=0, ready_check=backend)
         try:
@@ -455,36 +479,24 @@ class Supervisor:
         return self.ctx.backend_redactor(self.instance.config.api_key)
 
     def follow(self, path: Path, offset: int, ready_check: Backend | None) -> None:
-        bus = self.ctx.bus
-        ring = self.ring
-        telemetry = self.telemetry
-        iid = self.id
-        redact = self.redactor()
-
-        def on_lines(lines: list[str]) -> None:
-            ts = datetime.now(UTC).isoformat()
-            entries = ring.append_many([redact(line) for line in lines], ts)
-            for e in entries:
-                bus.publish(LogLine(iid, e.seq, ts, e.line))
-            telemetry.feed(lines)
-            ready = self.ready
-            if ready_check is not None and ready is not None and not ready.is_set():
-                if any(ready_check.is_ready_line(line) for line in lines):
-                    ready.set()
-
-        settings = self.ctx.settings
+        """Follow the backend's log from `offset`: its lines into the ring, the bus and the
+        telemetry; a ready line (of `ready_check`) sets the start's ready event."""
         assert self.lease is not None
-        self.lease.follow(
-            LogFollower(
-                path,
-                on_lines,
-                self.ctx.inotify,
-                offset=offset,
-                max_line_bytes=settings.log_line_max_bytes,
-                max_file_bytes=settings.log_file_max_bytes,
-                generations=settings.log_file_generations,
-                on_rotate=self._rotated,
-            )
+        self.lease.follow_log(
+            path,
+            offset,
+            LineSink(
+                self.ring,
+                self.ctx.bus,
+                self.id,
+                self.telemetry,
+                self.redactor(),
+                ready_check,
+                lambda: self.ready,
+            ),
+            self.ctx.inotify,
+            self.ctx.settings,
+            on_rotate=self._rotated,
         )
 
     def _rotated(self, lines_moved: int) -> None:
@@ -524,164 +536,12 @@ class Supervisor:
             follower=self.follower,
         )
 
-    def _port(self) -> int | None:
-        return self.instance.port
-
     def watch(self, proc: procs.BackendProcess) -> None:
-        """Watch a backend that serves: its exit, its liveness, its /metrics."""
-        self._ended_why = None
-        lease = self.lease
-        assert lease is not None and lease.proc is proc
-        lease.watch_task = asyncio.create_task(self._watch_exit(proc), name=f"watch:{self.id}")
-        backend = self.backend()
-        address = probe_address(self.instance.config.host)
-        if backend.metrics_path:
-            lease.metrics_task = asyncio.create_task(
-                health.poll_metrics(
-                    backend,
-                    self.instance.config.backend_type,
-                    backend.metrics_path,
-                    address=address,
-                    port_of=self._port,
-                    bearer=self.bearer,
-                    telemetry=self.telemetry,
-                ),
-                name=f"metrics:{self.id}",
-            )
-        if backend.health_path and self.ctx.settings.health_check_interval_s > 0:
-
-            def current() -> bool:
-                return self.proc is proc and self.status == S.RUNNING
-
-            def end(why: str) -> None:
-                self._ended_why = why  # the crash's reason (_crashed)
-
-            lease.liveness_task = asyncio.create_task(
-                health.watch_liveness(
-                    proc,
-                    backend.health_path,
-                    settings=self.ctx.settings,
-                    address=address,
-                    port_of=self._port,
-                    bearer=self.bearer,
-                    current=current,
-                    end=end,
-                    instance_id=self.id,
-                ),
-                name=f"liveness:{self.id}",
-            )
-
-    async def _watch_exit(self, proc: procs.BackendProcess) -> None:
-        await procs.wait_exit(proc)
-        # Under the lock: a start, restart or stop decided meanwhile comes before or after
-        # this crash handling as a whole, never in the middle of it (a start made in between
-        # would have its new backend forgotten here). A start that finds the process gone
-        # waits for this (start: _settling); a stop cancels it.
-        async with self.lock:
-            await self._crashed(proc)
-
-    async def _crashed(self, proc: procs.BackendProcess) -> None:
-        if self.proc is not proc or self.status != S.RUNNING:
-            return  # an intentional stop owns this exit
-        code = proc.exit_code()
-        self.counters["crashes"] += 1
-        # Workers that outlived it (in its group, or setsid'd) hold GPU memory and the port.
-        await procs.end_tree_leftovers(proc)
-        await self.release()
-        reason = (
-            f"Process exited unexpectedly (exit code: {code})"
-            if code is not None
-            else "Process exited unexpectedly"
-        )
-        if self._ended_why is not None:
-            reason, self._ended_why = self._ended_why, None
-        await self.record_crash(proc, reason, code)
+        """Watch a backend that serves: its exit, its liveness, its /metrics (crashes.watch)."""
+        crashes.watch(self, proc)
 
     async def record_crash(self, proc: procs.BackendProcess, reason: str, code: int | None) -> None:
-        """Say the backend crashed (`reason`, with what of it could not be ended), and restart
-        it under the crash policy."""
-        if proc.left_behind:
-            reason += "; " + "; ".join(proc.left_behind)
-        log.error("backend of %s (%s) crashed: %s", self.id, self.instance.config.alias, reason)
-        self.set_status(
-            S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
-        )
-        self.ctx.bus.publish(InstanceCrashed(self.id, code))
-        self.after_stop_hook()
-        # Decided before the save, so the failure and whether a restart is due reach the disk
-        # together: a host killed in the backoff starts it at boot.
-        self._schedule_restart()
-        await self.ctx.persist()
-
-    def _schedule_restart(self) -> None:
-        """Restart with backoff unless control owns recovery (ruling 6) or it crash-loops.
-        Records whether a restart is due (StoredInstance.restart_due); the caller saves it."""
-        settings = self.ctx.settings
-        self.stored.restart_due = False
-        if self.instance.managed_by == "intent" or not self.stored.want_running or self.deleted:
-            log.info(
-                "not restarting %s: recovery is %s",
-                self.id,
-                "control's" if self.instance.managed_by == "intent" else "not wanted",
-            )
-            return
-        verdict = self.crashes.crashed(time.monotonic())
-        n, delay = verdict.crashes, verdict.delay_s
-        if delay is None:
-            msg = (
-                f"{self.instance.error_message}; crashed {n} times within "
-                f"{settings.restart_window_s:.0f}s, not restarting"
-            )
-            self.stored.instance.error_message = msg
-            self.ctx.changed(self.id, self.status.value, "crash_loop")
-            return
-        log.info("restarting %s in %.1fs (crash %d within the window)", self.id, delay, n)
-        # Said where the operator and control look: "failed" alone reads as given up on.
-        self._crash_reason = self.instance.error_message
-        self.stored.instance.error_message = (
-            f"{self._crash_reason}; restarting in {delay:.1f}s (crash {n} within "
-            f"{settings.restart_window_s:.0f}s; the host gives up at "
-            f"{settings.restart_max_in_window})"
-        )
-        self.ctx.changed(self.id, self.status.value, "restart_scheduled")
-        self.stored.restart_due = True
-        self.restart_task = asyncio.create_task(
-            self._restart_after(delay), name=f"restart:{self.id}"
-        )
-
-    async def _restart_after(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        async with self.lock:
-            if self.status != S.FAILED or not self.stored.want_running or self.deleted:
-                return
-            self.counters["restarts"] += 1
-            self.start_task = asyncio.create_task(
-                self.run_start(restart=True), name=f"start:{self.id}"
-            )
-            task = self.start_task
-            self.restart_task = None
-        # InstanceConflict: the fit check refused the restart (logged by the capacity gate).
-        try:
-            await task
-        except StartFailed as err:
-            # A restart that could not bring it back is one more crash of the loop: the next
-            # try comes after the next backoff, until RESTART_MAX_IN_WINDOW, rather than never.
-            if err.retryable:
-                self._schedule_restart()
-                await self.ctx.persist()
-            else:
-                await self._nothing_due()
-        except InstanceConflict as err:
-            # Not the backend's failure: the fit check or a taken port refused the restart.
-            # Said where the operator looks, not only in the host's log.
-            log.warning("restart of %s refused: %s", self.id, err.detail)
-            self.stored.instance.error_message = (
-                f"{self._crash_reason}; the restart was refused: {err.detail}"
-            )
-            self.ctx.changed(self.id, self.status.value, "restart_refused")
-            await self._nothing_due()
-        except asyncio.CancelledError:
-            pass
+        await crashes.record_crash(self, proc, reason, code)
 
     # --- stop ------------------------------------------------------------------------------------
 
@@ -763,7 +623,7 @@ class Supervisor:
         # the stop at boot (and starts it again only when it is still wanted).
         await self.ctx.persist()
         if self.lease is not None:
-            await self.lease.stop_watching()  # its exit is no crash, its log is read now
+            self.lease.stop_watchers()  # its exit is no crash; its last lines are read after
         left: list[str] = []
         if proc is not None:
             await procs.terminate(proc, self.ctx.settings.stop_grace_s)
@@ -821,15 +681,3 @@ class Supervisor:
             S.STOPPED, reason="stopped", pid=None, port=None, started_at=None, **message
         )
         await self.ctx.persist()
-
-    async def kill_recorded(self) -> None:
-        """Delete path: make sure no backend of this instance survives, workers included."""
-        proc, _ = await asyncio.to_thread(
-            adoption.recorded_process, self.stored.process, self.ctx.marker(self.id)
-        )
-        if proc is not None:
-            await procs.terminate(proc, self.ctx.settings.stop_grace_s)
-        self.stored.process = None
-        strays = await asyncio.to_thread(ownership.carriers, self.ctx.marker(self.id))
-        if strays:
-            await procs.end_processes(strays, min(self.ctx.settings.stop_grace_s, 5.0))
