@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -330,23 +330,7 @@ class StepRunner:
             if run.cancel.is_set():
                 return self._cancelled(job_id, step.name, index, started, None)
             stream = await asyncio.to_thread(docker.attach, container_id)
-            deliver = loop_deliverer(
-                asyncio.get_running_loop(), self.buffer, job_id, step.name, index
-            )
-            log_path = step_log_path(self.settings.jobs_dir, job_id, step.name)
-            pump = run_in_thread(
-                functools.partial(
-                    pump_container_output,
-                    max_line_chars=self.settings.log_line_max_bytes,
-                    max_file_bytes=self.settings.log_file_max_bytes,
-                    generations=self.settings.log_file_generations,
-                    redact=injected_secrets(self.settings),
-                ),
-                stream,
-                log_path,
-                deliver,
-                name=f"job-{job_id}-logs",
-            )
+            pump = self._pump_logs(stream, job_id, step.name, index)
             await asyncio.to_thread(docker.start, container_id)
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started
                 await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
@@ -369,29 +353,9 @@ class StepRunner:
                 return self._cancelled(job_id, step.name, index, started, exit_code)
             if exit_code == 0 and stopped is None:
                 return self._completed(job_id, step.name, index, started)
-            tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
-            summary = "\n".join(tail)
-            message = f"Step '{step.name}' failed with exit code {exit_code}"
-            if stopped is not None and stopped.kind == "disk":
-                message = f"Step '{step.name}' was stopped: {stopped.why} (exit code {exit_code})"
-                summary = f"{stopped.why}\n{summary}".rstrip("\n")
-            elif stopped is not None:
-                assert limit is not None
-                ran_past = (
-                    f"ran past its time limit of {limit.seconds:g} s ({limit.source}) "
-                    "and was stopped"
-                )
-                message = f"Step '{step.name}' {ran_past} (exit code {exit_code})"
-                summary = f"timed out: the step {ran_past}\n{summary}".rstrip("\n")
-            elif await asyncio.to_thread(docker.oom_killed, container_id):
-                memory_gb = self.settings.job_memory_limit_gb
-                why = (
-                    f"out of memory: the step reached JOB_MEMORY_LIMIT_GB ({memory_gb:g} GiB)"
-                    if memory_gb is not None
-                    else "out of memory: the machine ran out and the kernel killed the step"
-                )
-                message = f"{message} ({why})"
-                summary = f"{why}\n{summary}".rstrip("\n")
+            summary, message = await self._explain_failure(
+                docker, container_id, step.name, exit_code, stopped, limit
+            )
             return fail(exit_code, summary=summary, job_message=message)
         except ContainerStartError as err:
             return fail(
@@ -403,6 +367,65 @@ class StepRunner:
             run.active_container = None
             if container_id is not None:
                 await asyncio.to_thread(docker.remove, container_id)
+
+    def _pump_logs(
+        self,
+        stream: Iterable[tuple[bytes | None, bytes | None]],
+        job_id: str,
+        name: str,
+        index: int,
+    ) -> asyncio.Future[None]:
+        """Copy the container's output to the step's log file and the live buffer, in a thread
+        of its own, redacting the injected secrets; done when the stream ends."""
+        deliver = loop_deliverer(asyncio.get_running_loop(), self.buffer, job_id, name, index)
+        return run_in_thread(
+            functools.partial(
+                pump_container_output,
+                max_line_chars=self.settings.log_line_max_bytes,
+                max_file_bytes=self.settings.log_file_max_bytes,
+                generations=self.settings.log_file_generations,
+                redact=injected_secrets(self.settings),
+            ),
+            stream,
+            step_log_path(self.settings.jobs_dir, job_id, name),
+            deliver,
+            name=f"job-{job_id}-logs",
+        )
+
+    async def _explain_failure(
+        self,
+        docker: DockerJobs,
+        container_id: str,
+        name: str,
+        exit_code: int,
+        stopped: StopReason | None,
+        limit: TimeLimit | None,
+    ) -> tuple[str, str]:
+        """The step's error summary (why, then its last stderr lines) and the job's message, for
+        a step that exited non-zero or that the host stopped."""
+        tail = await asyncio.to_thread(docker.stderr_tail, container_id, STDERR_SUMMARY_LINES)
+        summary = "\n".join(tail)
+        message = f"Step '{name}' failed with exit code {exit_code}"
+        if stopped is not None and stopped.kind == "disk":
+            message = f"Step '{name}' was stopped: {stopped.why} (exit code {exit_code})"
+            summary = f"{stopped.why}\n{summary}".rstrip("\n")
+        elif stopped is not None:
+            assert limit is not None
+            ran_past = (
+                f"ran past its time limit of {limit.seconds:g} s ({limit.source}) and was stopped"
+            )
+            message = f"Step '{name}' {ran_past} (exit code {exit_code})"
+            summary = f"timed out: the step {ran_past}\n{summary}".rstrip("\n")
+        elif await asyncio.to_thread(docker.oom_killed, container_id):
+            memory_gb = self.settings.job_memory_limit_gb
+            why = (
+                f"out of memory: the step reached JOB_MEMORY_LIMIT_GB ({memory_gb:g} GiB)"
+                if memory_gb is not None
+                else "out of memory: the machine ran out and the kernel killed the step"
+            )
+            message = f"{message} ({why})"
+            summary = f"{why}\n{summary}".rstrip("\n")
+        return summary, message
 
     async def _wait(
         self,
