@@ -81,7 +81,9 @@ def test_the_guard_adds_no_name_uvicorn_uses(instances: dict[str, Any]) -> None:
     """The guard's own state must not shadow an attribute of uvicorn's protocol."""
     guarded = guarded_protocol(5.0)
     protocol = instances["uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"]
-    ours = set(vars(guarded)) - set(vars(HttpToolsProtocol))
+    guard = [c for c in guarded.__mro__ if not issubclass(HttpToolsProtocol, c)]
+    added = {n for c in guard for n in vars(c) if not (n.startswith("__") and n.endswith("__"))}
+    ours = added - set(vars(HttpToolsProtocol))
     assert not {n for n in ours if hasattr(protocol, n)}
 
 

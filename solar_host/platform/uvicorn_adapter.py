@@ -95,169 +95,191 @@ def guarded_protocol(
     max_pipelined: int = MAX_PIPELINED,
     write_stall_s: float = WRITE_STALL_S,
 ) -> Any:
-    """The protocol class for uvicorn.Config(http=...); "auto", without the bounds, where
-    httptools is missing."""
+    """The protocol class for uvicorn.Config(http=...): uvicorn's httptools protocol with the
+    `ConnectionGuard` over it; "auto", without the bounds, where httptools is missing."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "auto"
-    too_large = _headers_too_large(max_header_bytes)
+    bounds = {
+        "_header_timeout_s": timeout_s,
+        "_max_header_bytes": max_header_bytes,
+        "_max_pipelined": max_pipelined,
+        "_write_stall_s": write_stall_s,
+        "_too_large": _headers_too_large(max_header_bytes),
+    }
+    return type("GuardedProtocol", (ConnectionGuard, HttpToolsProtocol), bounds)
 
-    class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
-        # When the awaited headers are due (None while none are awaited), and the one timer
-        # of the connection that looks at it. Arming and disarming per request only set the
-        # field: a timer set and cancelled per request was a tenth of the host's CPU under
-        # load. The timer wakes at most once per timeout and re-arms itself if still needed.
-        _deadline: float | None = None
-        _timer: asyncio.TimerHandle | None = None
-        _stall_timer: asyncio.TimerHandle | None = None
-        _header_bytes = 0
-        # Dropped: nothing more it sends is kept (the parser still runs over the rest of the
-        # read it is in, with every callback a no-op).
-        _dropped = False
 
-        def _arm(self) -> None:
-            self._header_bytes = 0
+class ConnectionGuard:
+    """The bounds (module docstring) over uvicorn's HttpToolsProtocol, which `guarded_protocol`
+    puts after it in the class it makes: each `super()` here is uvicorn's method. A mixin, so
+    that uvicorn is imported only when a server is made. The limits are class attributes of
+    the made class."""
+
+    _header_timeout_s: float
+    _max_header_bytes: int
+    _max_pipelined: int
+    _write_stall_s: float
+    _too_large: bytes
+    # uvicorn's, read here (PRIVATE_API).
+    loop: asyncio.AbstractEventLoop
+    transport: Any
+    cycle: Any
+    pipeline: Any
+
+    # When the awaited headers are due (None while none are awaited), and the one timer
+    # of the connection that looks at it. Arming and disarming per request only set the
+    # field: a timer set and cancelled per request was a tenth of the host's CPU under
+    # load. The timer wakes at most once per timeout and re-arms itself if still needed.
+    _deadline: float | None = None
+    _timer: asyncio.TimerHandle | None = None
+    _stall_timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    # Dropped: nothing more it sends is kept (the parser still runs over the rest of the
+    # read it is in, with every callback a no-op).
+    _dropped = False
+
+    def _arm(self) -> None:
+        self._header_bytes = 0
+        self._arm_deadline()
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.time() + self._header_timeout_s
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+
+    def _disarm(self) -> None:
+        self._deadline = None
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        if self.loop.time() < deadline:
+            self._timer = self.loop.call_at(deadline, self._check_deadline)
+            return
+        self._deadline = None
+        self._headers_late()
+
+    def _headers_late(self) -> None:
+        if self.transport.is_closing():
+            # Closed a timeout ago and still not gone: its answer cannot be sent.
+            self.transport.abort()
+        else:
+            self.transport.close()
+            self._arm_deadline()  # the close must complete within one more timeout
+
+    def _drop(self) -> None:
+        """Close at once, unsent answers and queued requests with it."""
+        self._dropped = True
+        self.pipeline.clear()
+        self._disarm()
+        self.transport.abort()
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self.pipeline.clear()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._dropped:
+            super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        if self._dropped:
+            return
+        self._arm()
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if self._dropped:
+            return
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._dropped:
+            return
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._dropped:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._dropped:
+            super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        idle = not self.pipeline
+        super().on_response_complete()
+        if idle:
+            # Nothing else was asked: the next request's headers are due within the header
+            # timeout, whatever else comes (uvicorn's keep-alive timer stops at any byte).
             self._arm_deadline()
 
-        def _arm_deadline(self) -> None:
-            if self._deadline is None:
-                self._deadline = self.loop.time() + timeout_s
-                if self._timer is None:
-                    self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self._write_stall_s, self._stalled)
 
-        def _disarm(self) -> None:
-            self._deadline = None
-
-        def _check_deadline(self) -> None:
-            self._timer = None
-            deadline = self._deadline
-            if deadline is None:
-                return
-            if self.loop.time() < deadline:
-                self._timer = self.loop.call_at(deadline, self._check_deadline)
-                return
-            self._deadline = None
-            self._headers_late()
-
-        def _headers_late(self) -> None:
-            if self.transport.is_closing():
-                # Closed a timeout ago and still not gone: its answer cannot be sent.
-                self.transport.abort()
-            else:
-                self.transport.close()
-                self._arm_deadline()  # the close must complete within one more timeout
-
-        def _drop(self) -> None:
-            """Close at once, unsent answers and queued requests with it."""
-            self._dropped = True
-            self.pipeline.clear()
-            self._disarm()
-            self.transport.abort()
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._deadline = None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
-            self.pipeline.clear()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if not self._dropped:
-                super().data_received(data)
-
-        def on_message_begin(self) -> None:
-            if self._dropped:
-                return
-            self._arm()
-            super().on_message_begin()
-
-        def on_url(self, url: bytes) -> None:
-            if self._dropped:
-                return
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            if self._dropped:
-                return
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
-
-        def on_body(self, body: bytes) -> None:
-            if not self._dropped:
-                super().on_body(body)
-
-        def on_message_complete(self) -> None:
-            if not self._dropped:
-                super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            idle = not self.pipeline
-            super().on_response_complete()
-            if idle:
-                # Nothing else was asked: the next request's headers are due within the header
-                # timeout, whatever else comes (uvicorn's keep-alive timer stops at any byte).
-                self._arm_deadline()
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._stall_timer is None:
-                self._stall_timer = self.loop.call_later(write_stall_s, self._stalled)
-
-        def resume_writing(self) -> None:
-            if self._stall_timer is not None:
-                self._stall_timer.cancel()
-                self._stall_timer = None
-            super().resume_writing()
-
-        def _stalled(self) -> None:
+    def resume_writing(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
             self._stall_timer = None
+        super().resume_writing()
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        self._drop()
+
+    def _count(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > self._max_header_bytes:
+            self._refuse_headers()
+
+    def _refuse_headers(self) -> None:
+        """431 and close. Nothing more it sends is kept or run: closing alone left the
+        rest of the read to the parser, which ran the refused request all the same."""
+        self._dropped = True
+        self.pipeline.clear()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # An earlier request's answer is being written: a 431 would land inside it.
             self._drop()
+            return
+        self.transport.write(self._too_large)
+        self.transport.close()  # the header deadline aborts it if it does not complete
 
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes:
-                self._refuse_headers()
+    def on_headers_complete(self) -> None:
+        if self._dropped:
+            return
+        if len(self.pipeline) >= self._max_pipelined:
+            self._drop()
+            return
+        self._disarm()
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:
+            cycle.transport = HeadWithBody(self.transport, self.loop)
 
-        def _refuse_headers(self) -> None:
-            """431 and close. Nothing more it sends is kept or run: closing alone left the
-            rest of the read to the parser, which ran the refused request all the same."""
-            self._dropped = True
-            self.pipeline.clear()
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_complete:
-                # An earlier request's answer is being written: a 431 would land inside it.
-                self._drop()
-                return
-            self.transport.write(too_large)
-            self.transport.close()  # the header deadline aborts it if it does not complete
-
-        def on_headers_complete(self) -> None:
-            if self._dropped:
-                return
-            if len(self.pipeline) >= max_pipelined:
-                self._drop()
-                return
-            self._disarm()
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is not None and cycle.transport is self.transport:
-                cycle.transport = HeadWithBody(self.transport, self.loop)
-
-        def handle_websocket_upgrade(self) -> None:
-            self._disarm()
-            super().handle_websocket_upgrade()
-
-    return GuardedProtocol
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm()
+        super().handle_websocket_upgrade()
 
 
 class HeadWithBody:
