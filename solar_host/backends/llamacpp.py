@@ -558,10 +558,13 @@ def default_threads(c: LlamaCppConfig, gpu_type: str) -> int:
 
 def command_args(c: LlamaCppConfig, port: int) -> list[str]:
     """llama-server's arguments for config `c` (everything after the executable)."""
+    # `threads` is resolved by launch() (default_threads); unresolved, llama-server's own
+    # default applies rather than a literal "None".
+    threads = ["--threads", str(c.threads)] if c.threads is not None else []
     argv = [
         "--model", c.model or "",
         "--alias", c.alias,
-        "--threads", str(c.threads),
+        *threads,
         "--n_gpu_layers", str(c.n_gpu_layers),
         "--temp", _num(c.temp),
         "--top_p", _num(c.top_p),
