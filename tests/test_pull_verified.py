@@ -284,3 +284,33 @@ async def test_a_dropped_connection_is_resumed_within_the_pull(tmp_path):
         assert hub.bytes_sent["w.safetensors"] == size  # nothing fetched twice
     finally:
         hub.stop()
+
+
+async def test_solar_host_verify_on_a_running_host(tmp_path):
+    """The command itself: exit 0 with a table when every file matches, 1 naming the damaged
+    file, 1 with the host's answer for a model never pulled."""
+    from tests.fixtures.host import API_KEY, host_settings, running_host
+    from tests.test_cli import cli
+
+    weights = os.urandom(100_000)
+    hub = FakeHub(hub_repo(tmp_path, {"config.json": b"{}", "w.safetensors": weights})).start()
+    try:
+        settings = host_settings(tmp_path, hf_endpoint=hub.url, min_free_disk_gb=0)
+        async with running_host(settings) as h:
+            r = await h.client.post("/models/pull", json=hf())
+            assert r.status_code == 200, r.text
+            conn = ("--url", h.url, "--api-key", API_KEY)
+            rc, out, err = await cli("verify", "hf--acme--m", *conn, cwd=tmp_path)
+            assert rc == 0, err
+            assert out.splitlines()[0].split() == ["RESULT", "SIZE", "FILE"]
+            assert out.splitlines()[-1] == "hf--acme--m: verified"
+            w = Path(r.json()["path"], "w.safetensors")
+            w.write_bytes(bytes(len(weights)))
+            rc, out, _ = await cli("verify", "hf--acme--m", "--json", *conn, cwd=tmp_path)
+            report = json.loads(out)
+            assert rc == 1 and report["ok"] is False
+            assert {f["name"]: f["result"] for f in report["files"]}["w.safetensors"] == "mismatch"
+            rc, _, err = await cli("verify", "hf--acme--nothing", *conn, cwd=tmp_path)
+            assert rc == 1 and "not found" in err
+    finally:
+        hub.stop()
