@@ -148,6 +148,22 @@ class ReservationsChanged(Event):
     reason: str = ""
 
 
+# --- measured memory ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDrift(Event):
+    """A running instance took more than its admitted memory on a device, by more than
+    MEMORY_DRIFT_SHARE, for two samples in a row (published once per drift)."""
+
+    topic: ClassVar[str] = "instance_memory_drift"
+    instance_id: str
+    device: str
+    admitted_bytes: int
+    measured_bytes: int
+    source: str  # what it was admitted from: "measured" | "estimated"
+
+
 Handler = Callable[[Event], None]
 
 

@@ -234,7 +234,12 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
 
     # --- estimates: the fit check and GPU placement of every start ---------------------------
     from solar_host.estimates.capacity import CapacityGate
+    from solar_host.estimates.measured import MeasurementStore, backend_version
+    from solar_host.estimates.sampler import MemorySampler
 
+    measurements = MeasurementStore(
+        settings.memory_measurements_file, lambda: settings.memory_measurements_max
+    )
     manager.capacity = CapacityGate(
         host.probe,
         enabled=lambda: settings.fit_check,
@@ -242,6 +247,20 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         roots=lambda: settings.model_root_dirs,
         gpu_host=resources.gpu_host,
         instances=manager.list,
+        measurements=measurements,
+        margin=lambda: settings.measured_memory_margin,
+        version=lambda bt: backend_version(bt, settings.llama_server_bin),
+    )
+    host.add(
+        "memory",
+        MemorySampler(
+            manager=manager,
+            probe=host.probe,
+            store=measurements,
+            bus=host.bus,
+            interval_s=lambda: settings.memory_sample_interval_s,
+            drift_share=lambda: settings.memory_drift_share,
+        ),
     )
     resources.loading = manager.capacity.holds
     # The store answers "which files are in use" and "where did a pull put this source".

@@ -383,6 +383,38 @@ class Settings(BaseModel):
         default=60.0, gt=0, description="Period of the expired-reservation sweep."
     )
 
+    # --- measured memory -------------------------------------------------------------------------
+    measured_memory_margin: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=10.0,
+        description="Share added to the measured peak of an earlier load of the same config "
+        "when a start is admitted from it (0.05: 5 %). Configs never measured are admitted "
+        "from the estimate.",
+    )
+    memory_sample_interval_s: float = Field(
+        default=2.0,
+        ge=0.1,
+        le=3600.0,
+        description="Period of the memory sampler: every running instance's process tree "
+        "(RSS on the CPU, NVML per process on GPUs).",
+    )
+    memory_drift_share: float = Field(
+        default=0.10,
+        gt=0.0,
+        le=10.0,
+        description="A running instance above its admitted memory by more than this share "
+        "(0.10: 10 %) on a device for two samples in a row has drifted: an event, a log "
+        "line and a metric, and the excess counts against the next start at once.",
+    )
+    memory_measurements_max: int = Field(
+        default=500,
+        ge=1,
+        le=100_000,
+        description="Configs whose measured memory is kept (memory-measurements.json); the "
+        "least recently measured go first.",
+    )
+
     # --- SGLang ----------------------------------------------------------------------------------
     sglang_venv_path: str = Field(
         default="", description="Virtualenv holding SGLang (bin/sglang or bin/python)."
@@ -501,6 +533,11 @@ class Settings(BaseModel):
     def reservations_file(self) -> Path:
         """The reservation ledger's file: beside config.json."""
         return self.config_file.parent / "reservations.json"
+
+    @property
+    def memory_measurements_file(self) -> Path:
+        """What earlier loads took per config: beside config.json."""
+        return self.config_file.parent / "memory-measurements.json"
 
 
 def _items(text: str) -> list[str]:

@@ -116,7 +116,11 @@ async def test_start_that_does_not_fit_is_refused_fast(tmp_path: Path, model: Pa
             times.append(time.perf_counter() - t0)
             assert r.status_code == 409, r.text
         body = r.json()
-        assert set(body) == {"detail", "instance_id", "needed_bytes", "available_bytes", "device"}
+        assert set(body) == {
+            *("detail", "instance_id", "needed_bytes", "available_bytes", "device"),
+            *("source", "admitted_bytes", "estimated_bytes", "measured_bytes"),  # issue 41
+        }
+        assert body["source"] == "estimated" and body["measured_bytes"] is None
         assert body["instance_id"] == iid and body["device"] == "cuda:0"
         assert body["needed_bytes"] == need and body["available_bytes"] < need
         print(f"\n409 answered in {min(times) * 1000:.1f} ms (best of 5)")

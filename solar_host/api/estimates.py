@@ -44,6 +44,19 @@ class EstimateResponse(BaseModel):
     notes: list[str]
     refusal: str | None = None
     instance_id: str | None = None
+    source: str = Field(
+        description="What a start is admitted with: 'measured' (the peak of an earlier load "
+        "of this config plus MEASURED_MEMORY_MARGIN) or 'estimated' (never measured)."
+    )
+    admitted_bytes: int = Field(description="The figure the fit check uses.")
+    estimated_bytes: int = Field(description="The estimate (total_bytes).")
+    measured_bytes: int | None = Field(
+        description="The measured peak of an earlier load of this config, without margin; "
+        "null when never measured."
+    )
+    admitted_devices: dict[str, int] | None = Field(
+        default=None, description="Per device, what is admitted when source is 'measured'."
+    )
 
 
 def _unprocessable(err: EstimateError, prefix: list[str]) -> JSONResponse:

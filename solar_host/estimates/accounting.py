@@ -59,9 +59,14 @@ def estimated(gate: Any, inst: Any) -> dict[str, int]:
     return dict(placement.needs) if placement is not None else {}
 
 
-def memory_view(gate: Any, probe: Any, inst: Any, gpu_memory: Any = None) -> dict[str, Any] | None:
-    """{devices: [{device, estimate_bytes, measured_bytes}], estimate_bytes, measured_bytes}
-    for a running instance; None when it has no process and no estimate."""
+def memory_view(
+    gate: Any, probe: Any, inst: Any, gpu_memory: Any = None, sampled: Any = None
+) -> dict[str, Any] | None:
+    """{devices: [{device, estimate_bytes, measured_bytes}], estimate_bytes, measured_bytes,
+    source, admission, sampled} for a running instance; None when it has no process and no
+    estimate. `estimate_bytes` is what its start admitted per device (the estimate, or the
+    measured peak of an earlier load plus the margin: `source`); `admission` names both
+    figures; `sampled` is the sampler's peak and steady figures of this process."""
     est = estimated(gate, inst)
     measured = {}
     if inst.pid:
@@ -82,7 +87,19 @@ def memory_view(gate: Any, probe: Any, inst: Any, gpu_memory: Any = None) -> dic
         ],
         "estimate_bytes": sum(est.values()) if est else None,
         "measured_bytes": sum(measured.values()) if measured else None,
+        **admission(gate, inst),
+        "sampled": sampled,
     }
+
+
+def admission(gate: Any, inst: Any) -> dict[str, Any]:
+    """{source, admission: {source, admitted_bytes, estimated_bytes, measured_bytes}} of an
+    instance's last start; source None when no start was admitted with a figure."""
+    placement = gate.placements.get(inst.id) if gate is not None else None
+    if placement is None:
+        return {"source": None, "admission": None}
+    figures = placement.figures()
+    return {"source": figures["source"], "admission": figures}
 
 
 def memory_families(host: Any) -> list[Any]:
@@ -112,9 +129,22 @@ def memory_families(host: Any) -> list[Any]:
         if inst.pid:
             for dev, n in measure_tree(inst.pid, gpu_memory).items():
                 used.add((inst.id, dev), n)
-    return [est, used]
+    drift = Family(
+        f"{PREFIX}_instance_memory_drift",
+        "counter",
+        "Times a running instance was seen above its admitted memory on a device by more than "
+        "MEMORY_DRIFT_SHARE for two samples in a row.",
+        ("instance_id",),
+    )
+    sampler = host.services.get("memory")
+    if sampler is not None:
+        for iid, n in sorted(sampler.drifts.items()):
+            drift.add((iid,), n)
+    return [est, used, drift]
 
 
 def instance_memory(host: Any, inst: Any) -> dict[str, Any] | None:
     manager = host.services.get("instances")
-    return memory_view(getattr(manager, "capacity", None), host.probe, inst)
+    sampler = host.services.get("memory")
+    sampled = sampler.view(inst.id) if sampler is not None else None
+    return memory_view(getattr(manager, "capacity", None), host.probe, inst, sampled=sampled)

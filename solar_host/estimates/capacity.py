@@ -33,6 +33,7 @@ from typing import Any
 
 from solar_host.estimates.dispatch import estimate_config
 from solar_host.estimates.gguf import parse_devices
+from solar_host.estimates.measured import Measurement, MeasurementStore, memory_key
 from solar_host.estimates.model import CPU, Device, Estimate, EstimateError, gpu_name
 from solar_host.instances.errors import InstanceConflict
 from solar_host.model_store.roots import (
@@ -74,16 +75,26 @@ class InsufficientMemory(InstanceConflict):
     """The estimate of a start exceeds what its device has free: nothing was spawned."""
 
     def __init__(
-        self, instance_id: str, device: str, needed_bytes: int, available_bytes: int, why: str = ""
+        self,
+        instance_id: str,
+        device: str,
+        needed_bytes: int,
+        available_bytes: int,
+        why: str = "",
+        placement: Placement | None = None,
     ):
         self.instance_id = instance_id
         self.device = device
         self.needed_bytes = needed_bytes
         self.available_bytes = available_bytes
+        self.figures = placement.figures() if placement is not None else {}
+        measured = ""
+        if self.figures.get("source") == MEASURED:
+            measured = " (measured on an earlier load)"
         detail = why or (
             f"Not enough memory on {device}: the instance needs about "
-            f"{needed_bytes / GB:.2f} GiB, {max(available_bytes, 0) / GB:.2f} GiB is free "
-            "(set skip_fit_check: true in the config to start anyway)"
+            f"{needed_bytes / GB:.2f} GiB{measured}, {max(available_bytes, 0) / GB:.2f} GiB is "
+            "free (set skip_fit_check: true in the config to start anyway)"
         )
         super().__init__(detail)
 
@@ -94,22 +105,52 @@ class InsufficientMemory(InstanceConflict):
             "needed_bytes": self.needed_bytes,
             "available_bytes": self.available_bytes,
             "device": self.device,
+            **self.figures,
         }
+
+
+MEASURED = "measured"
+ESTIMATED = "estimated"
 
 
 @dataclass(slots=True)
 class Placement:
-    """Where an instance goes and what it is expected to take there."""
+    """Where an instance goes and what it is expected to take there.
+
+    `needs` is what is admitted per device: the measured peak of an earlier load of the same
+    key plus the margin (`source` "measured"), else the estimate (`source` "estimated").
+    Drift raises it to what the instance was seen to take (`raise_to`)."""
 
     instance_id: str
     estimate: Estimate
     gpus: list[int]  # GPU indices the backend uses
     chosen: bool  # the host picked them (the config named none): pin them in the environment
     needs: dict[str, int] = field(default_factory=dict)
+    key: str | None = None  # the measurement key of its config (measured.memory_key)
+    source: str = ESTIMATED
+    measured: dict[str, int] | None = None  # the measured peak per device, without margin
 
     @property
     def device_names(self) -> list[str]:
         return [gpu_name(i) for i in self.gpus] or [CPU]
+
+    def figures(self) -> dict[str, Any]:
+        """Which figure was admitted and both figures, as every answer names them."""
+        return {
+            "source": self.source,
+            "admitted_bytes": sum(self.needs.values()),
+            "estimated_bytes": self.estimate.total_bytes,
+            "measured_bytes": sum(self.measured.values()) if self.measured is not None else None,
+        }
+
+    def admit_measured(self, m: Measurement | None, margin: float) -> None:
+        """Admit the measured peak plus `margin` where `m` was measured on as many GPUs."""
+        peak = m.peak_on(self.device_names) if m is not None else None
+        if peak is None:
+            return
+        self.measured = peak
+        self.needs = {dev: math.ceil(n * (1.0 + margin)) for dev, n in peak.items()}
+        self.source = MEASURED
 
 
 def _candidates(
@@ -176,8 +217,17 @@ class CapacityGate:
         roots: Callable[[], Sequence[Path]] | None = None,
         gpu_host: Callable[[], bool | None] | None = None,
         instances: Callable[[], Iterable[Any]] | None = None,
+        measurements: MeasurementStore | None = None,
+        margin: Callable[[], float] = lambda: 0.05,
+        version: Callable[[str], str] = lambda backend_type: "",
     ):
         self.probe = probe
+        # What earlier loads took per key (None: admit from the estimate only), the margin
+        # added to a measured peak (MEASURED_MEMORY_MARGIN) and each backend type's version
+        # (part of the key).
+        self.measurements = measurements
+        self.margin = margin
+        self.version = version
         self.enabled = enabled
         # Whether the host has NVIDIA GPUs (ResourceService.gpu_host: sticky once decided).
         # None: ask the probe (a gate built without it, unit tests).
@@ -359,7 +409,19 @@ class CapacityGate:
         """The best placement, what is available, and the first shortfall of it (or None).
         Reads the probe (blocking): call it off the event loop. Raises EstimateError,
         GpusUnreadable."""
-        return self._place_on(instance_id, config, self.devices(instance_id), exclude)
+        key = self.key_of(config)
+        return self._place_on(instance_id, config, self.devices(instance_id), exclude, key=key)
+
+    def key_of(self, config: Any) -> str | None:
+        """The measurement key of a confined config (stats its files: blocking); None when
+        the gate keeps no measurements or the key cannot be made."""
+        if self.measurements is None:
+            return None
+        try:
+            return memory_key(config, self.version(str(config.backend_type)))
+        except Exception as err:  # a key is an optimisation: the estimate still answers
+            log.warning("no memory measurement key for this config: %s", err)
+            return None
 
     def _place_on(
         self,
@@ -368,8 +430,11 @@ class CapacityGate:
         devices: list[Device],
         exclude: str | None = None,
         earlier: dict[str, Placement] | None = None,
+        key: str | None = None,
     ) -> tuple[Placement, dict[str, int], Shortfall | None]:
         """`place` on devices already read: arithmetic only once the model headers are cached.
+        `key`: the config's measurement key; a measurement of it is admitted instead of the
+        estimate on a device set with as many GPUs as it was measured on.
 
         A device set the config cannot be estimated on (main_gpu or tensor_split naming a GPU
         outside it) is skipped; raises the first candidate's EstimateError only when no set
@@ -384,6 +449,8 @@ class CapacityGate:
         ]
         first: tuple[Placement, Shortfall] | None = None
         error: EstimateError | None = None
+        measured = self.measurements.get(key) if self.measurements is not None else None
+        margin = self.margin()
         for devs, chosen in _candidates(config, gpus, own):
             try:
                 est = estimate_config(config, devs)
@@ -392,6 +459,8 @@ class CapacityGate:
                 continue
             p = Placement(instance_id, est, [d.index for d in devs if d.index is not None], chosen)
             p.needs = est.by_device()
+            p.key = key
+            p.admit_measured(measured, margin)
             short = _shortfall(p, devs, avail, gpu_pool)
             if short is None:
                 return p, avail, None
@@ -404,15 +473,17 @@ class CapacityGate:
 
     def _read_for(
         self, instance_id: str, config: Any
-    ) -> tuple[Any, list[Device], dict[str, Placement]]:
-        """The blocking half of a start's check (worker thread): the config confined, the
-        probe read (with the holds at that moment), and one placement on them so that the
-        model headers are cached and a config that cannot be estimated says so now."""
+    ) -> tuple[Any, list[Device], dict[str, Placement], str | None]:
+        """The blocking half of a start's check (worker thread): the config confined, its
+        measurement key, the probe read (with the holds at that moment), and one placement on
+        them so that the model headers are cached and a config that cannot be estimated says
+        so now."""
         config = self._confined(config)
+        key = self.key_of(config)
         earlier = dict(self._holds)
         devices = self.devices(instance_id)
-        self._place_on(instance_id, config, devices, earlier=earlier)
-        return config, devices, earlier
+        self._place_on(instance_id, config, devices, earlier=earlier, key=key)
+        return config, devices, earlier, key
 
     async def admit(self, instance_id: str, config: Any) -> Placement | None:
         """Place and check a start; hold its estimate until `release`. Raises
@@ -420,7 +491,9 @@ class CapacityGate:
         on unchecked)."""
         skip = bool(getattr(config, "skip_fit_check", False)) or not self.enabled()
         try:
-            config, devices, earlier = await asyncio.to_thread(self._read_for, instance_id, config)
+            config, devices, earlier, key = await asyncio.to_thread(
+                self._read_for, instance_id, config
+            )
         except EstimateError as err:
             log.warning("no memory estimate for %s, starting unchecked: %s", instance_id, err)
             return None
@@ -431,21 +504,25 @@ class CapacityGate:
             return None
         with self._lock:  # arithmetic only: the probe was read above
             try:
-                placement, _, short = self._place_on(instance_id, config, devices, earlier=earlier)
+                placement, _, short = self._place_on(
+                    instance_id, config, devices, earlier=earlier, key=key
+                )
             except EstimateError as err:
                 log.warning("no memory estimate for %s, starting unchecked: %s", instance_id, err)
                 return None
             if short is not None and not skip:
                 dev, needed, available, why = short
-                refusal = InsufficientMemory(instance_id, dev, needed, available, why)
+                refusal = InsufficientMemory(instance_id, dev, needed, available, why, placement)
                 log.warning("start of %s refused: %s", instance_id, refusal.detail)
                 raise refusal
             self._holds[instance_id] = placement
             self.placements[instance_id] = placement
         log.info(
-            "instance %s placed on %s (estimate %.2f GiB)",
+            "instance %s placed on %s (%s %.2f GiB, estimate %.2f GiB)",
             instance_id,
             ",".join(placement.device_names),
+            placement.source,
+            sum(placement.needs.values()) / GB,
             placement.estimate.total_bytes / GB,
         )
         return placement
@@ -473,11 +550,31 @@ class CapacityGate:
         est = estimate_config(config, gpus)
         p = Placement(instance_id, est, [d.index for d in gpus if d.index is not None], False)
         p.needs = est.by_device()
+        p.key = self.key_of(config)
+        p.admit_measured(
+            self.measurements.get(p.key) if self.measurements is not None else None,
+            self.margin(),
+        )
         return p
 
     def release(self, instance_id: str) -> None:
         with self._lock:
             self._holds.pop(instance_id, None)
+
+    def raise_to(self, instance_id: str, seen: dict[str, int]) -> bool:
+        """An instance seen above its admitted figure (drift): what it is admitted with
+        becomes what it takes, per device, so that its hold (while it loads) and the
+        reservation it covers count it from now on. True when anything was raised."""
+        with self._lock:
+            p = self.placements.get(instance_id)
+            if p is None:
+                return False
+            raised = False
+            for dev, n in seen.items():
+                if n > p.needs.get(dev, 0):
+                    p.needs[dev] = n
+                    raised = True
+            return raised
 
     def forget(self, instance_id: str) -> None:
         with self._lock:
@@ -497,6 +594,13 @@ class CapacityGate:
             placement, avail, _ = self.place(instance_id, self._confined(config))
         doc = placement.estimate.as_dict(avail)
         doc["placement"] = placement.device_names
+        doc.update(placement.figures())
+        if placement.source == MEASURED:
+            # The fit of what would be admitted, not of the estimate shown per device.
+            doc["admitted_devices"] = dict(placement.needs)
+            doc["fits"] = placement.estimate.refusal is None and all(
+                n <= avail.get(dev, 0) for dev, n in placement.needs.items()
+            )
         return doc
 
     def env_for(self, instance_id: str) -> dict[str, str]:
