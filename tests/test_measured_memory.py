@@ -273,3 +273,16 @@ def test_measurement_survives_a_host_restart(tmp_path: Path, model: Path) -> Non
             assert mem["source"] == "measured"
             assert mem["admission"]["measured_bytes"] == entry["peak_cpu"]
             c.post(f"/instances/{iid}/stop")
+
+
+def test_a_fifo_or_device_in_its_place_is_moved_aside_unread(tmp_path: Path) -> None:
+    path = tmp_path / "memory-measurements.json"
+    os.mkfifo(path)
+    store = MeasurementStore(path)
+    store.load()  # returns: a FIFO with no writer is never opened blocking
+    assert len(store) == 0 and not path.exists()
+    assert len(store.quarantined) == 1 and store.quarantined[0].is_fifo()
+    path.symlink_to("/dev/zero")
+    store = MeasurementStore(path)
+    store.load()
+    assert len(store) == 0 and store.quarantined[0].is_symlink() and not path.exists()
