@@ -65,6 +65,11 @@ class Settings(BaseModel):
     )
     host: str = Field(default="0.0.0.0", description="Address the REST API binds to.")
     port: int = Field(default=8001, ge=1, le=65535, description="Port of the REST API.")
+    backend_host: str | None = Field(
+        default=None,
+        description="Address backends bind to when an instance's config does not set `host` "
+        "(default: HOST, so a host bound to 127.0.0.1 keeps its backends local too).",
+    )
     http_header_timeout_s: float = Field(
         default=15.0,
         gt=0,
@@ -491,6 +496,10 @@ class Settings(BaseModel):
         return v
 
     # --- derived values -----------------------------------------------------------------------
+    @property
+    def effective_backend_host(self) -> str:
+        return self.backend_host or self.host
+
     @property
     def effective_host_name(self) -> str:
         return self.host_name or socket.gethostname()

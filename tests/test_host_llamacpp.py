@@ -311,3 +311,50 @@ async def test_usage_is_read_from_a_real_llama_server_metrics(
         assert usage["requests_processing"] == 0
         assert "timestamp" in usage
         await h.client.post(f"/instances/{iid}/stop")
+
+
+def _listen_addresses(pid: int) -> set[str]:
+    return {
+        c.laddr.ip
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+@pytest.mark.parametrize(
+    ("backend_host", "config_host", "expected"),
+    [
+        (None, None, "127.0.0.1"),  # HOST's address: a host kept local keeps its backends local
+        ("127.0.0.2", None, "127.0.0.2"),  # BACKEND_HOST
+        ("127.0.0.2", "127.0.0.3", "127.0.0.3"),  # the config's own host wins
+    ],
+)
+async def test_backends_bind_where_the_host_says_unless_the_config_does(
+    tmp_path: Path,
+    llama_bin: str,
+    tiny_gguf: Path,
+    backend_host: str | None,
+    config_host: str | None,
+    expected: str,
+) -> None:
+    """Issue 39: backends bound 0.0.0.0 whatever HOST was, and no setting changed that."""
+    s = host_settings(
+        tmp_path,
+        llama_server_bin=llama_bin,
+        model_roots=str(tiny_gguf.parent),
+        backend_host=backend_host,
+    )
+    assert s.host == "127.0.0.1"
+    config = llama_cfg(tiny_gguf)
+    config.pop("host")
+    if config_host is not None:
+        config["host"] = config_host
+    async with running_host(s) as h:
+        r = await h.client.post("/instances", json={"config": config})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        assert r.json()["instance"]["config"]["host"] == expected
+        inst = (await h.client.post(f"/instances/{iid}/start")).json()["instance"]
+        assert inst["status"] == "running", inst
+        assert _listen_addresses(inst["pid"]) == {expected}
+        await h.client.post(f"/instances/{iid}/stop")

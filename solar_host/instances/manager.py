@@ -461,6 +461,10 @@ class InstanceManager:
             # its own (instance_json): a config read, edited and put back carried it. Kept,
             # it stayed a key of that backend after the host key was changed.
             config.api_key = None
+        if not (isinstance(raw, dict) and raw.get("host")):
+            # Unset: where this host's backends bind (BACKEND_HOST, default HOST), kept with
+            # the config so a later change of the setting moves no running instance.
+            config.host = self.settings.effective_backend_host
         self._check_config(raw, config, loc_prefix, warnings)
         return config
 
