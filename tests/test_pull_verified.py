@@ -314,3 +314,29 @@ async def test_solar_host_verify_on_a_running_host(tmp_path):
             assert rc == 1 and "not found" in err
     finally:
         hub.stop()
+
+
+async def test_a_pull_after_a_failed_verify_repairs_only_what_is_damaged(tmp_path):
+    """A bit flipped on disk keeps the size, so a pull answered "cached"; once verify has
+    found it, the next pull fetches that file again (and only it) and the model verifies."""
+    config, weights = b"{}", os.urandom(300_000)
+    hub = FakeHub(hub_repo(tmp_path, {"config.json": config, "w.safetensors": weights})).start()
+    try:
+        store = make_store(tmp_path, hf_endpoint=hub.url)
+        await store.start()
+        res = await store.pull(hf())
+        w = Path(res["path"], "w.safetensors")
+        w.write_bytes(bytes(len(weights)))
+        assert (await store.pull(hf()))["cached"] is True  # the size check cannot tell
+        assert (await store.verify("hf--acme--m"))["ok"] is False
+        assert store.manifest.get(URI).damaged == ["w.safetensors"]
+        hub.requests.clear()
+        again = await store.pull(hf())
+        assert again["cached"] is False and w.read_bytes() == weights
+        gets = [p.rsplit("/", 1)[1] for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p]
+        assert gets == ["w.safetensors"]
+        assert (await store.verify("hf--acme--m"))["ok"] is True
+        assert store.manifest.get(URI).damaged is None
+        assert (await store.pull(hf()))["cached"] is True
+    finally:
+        hub.stop()

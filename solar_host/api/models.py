@@ -101,12 +101,14 @@ async def pull_model(request: Request) -> Any:
     responses={
         400: {"description": "not a model name"},
         404: {"description": "no model of that name was pulled"},
+        409: {"description": "the model is being pulled"},
     },
 )
 async def verify_model(slug: str, request: Request) -> Any:
     """Read a pulled model's files again and check each against the digest its source
     published (recorded at the pull: no network). 200 either way; `ok` says whether every
-    file matched, and each file's `result` is ok, mismatch, missing, unrecorded or extra."""
+    file matched, and each file's `result` is ok, mismatch, missing, unrecorded or extra. A
+    mismatched or missing file is noted, and the next pull of the model fetches it again."""
     try:
         return await _store(request).verify(slug)
     except StoreError as err:

@@ -43,6 +43,9 @@ class ManifestEntry:
     # relative posix path -> the digest its source published ("gitsha1:<hex>" for a Hub file
     # kept in git; an LFS file's is its sha256): what peers are asked for
     source_digests: dict[str, str] | None = None
+    # files the last verify found damaged or missing: the next pull of the model fetches
+    # them again instead of answering "cached" (a pull checks sizes only)
+    damaged: list[str] | None = None
     file_filters: list[str] | None = None  # None: the whole repository
 
     @classmethod

@@ -33,11 +33,13 @@ from solar_host.model_store.pull import (
     split_ref,
 )
 from solar_host.model_store.sources import SourceError, confine, repo_base_uri, slug_for
-from solar_host.model_store.verify import verify_model
+from solar_host.model_store.verify import MISMATCH, MISSING, verify_model
 from solar_host.resources.probes import disk_usage
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
+
+DAMAGED = (MISMATCH, MISSING)  # verify results that make the next pull fetch the file again
 
 __all__ = ["InUse", "ModelStore", "StoreError"]
 
@@ -287,6 +289,9 @@ class ModelStore:
                 return None
         if req.source == "huggingface" and not filters_satisfied(entry.file_filters, req.filters):
             return None
+        if entry.damaged:
+            log.warning("verify found %s of %s damaged; pulling again", entry.damaged, base)
+            return None
         return entry
 
     def _replaced(self, slug: str) -> Path:
@@ -334,13 +339,21 @@ class ModelStore:
             return await asyncio.to_thread(self._delete, slug, filters)
 
     async def verify(self, slug: str) -> dict[str, Any]:
-        """Read a recorded model's files again and check them against the recorded digests."""
+        """Read a recorded model's files again and check them against the recorded digests;
+        what is damaged is noted in the manifest, so that the next pull fetches it again."""
         async with self._model_turn(slug):
+            if any(slug_for_safe(base) == slug for base in self._jobs):
+                raise StoreError(409, f"Model '{slug}' is being pulled")
             return await asyncio.to_thread(self._verify, slug)
 
     def _verify(self, slug: str) -> dict[str, Any]:
         entry, root = self._entry_for_slug(slug, "verify")
-        return verify_model(entry, root)
+        report = verify_model(entry, root)
+        damaged = sorted(f["name"] for f in report["files"] if f["result"] in DAMAGED)
+        if damaged != sorted(entry.damaged or []):
+            entry.damaged = damaged or None
+            self.manifest.upsert(entry)
+        return report
 
     def _delete(self, slug: str, filters: list[str] | None) -> dict[str, Any]:
         entry, root = self._entry_for_slug(slug)
