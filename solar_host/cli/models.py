@@ -64,7 +64,7 @@ async def _pull_with_display(c: Any, body: dict[str, Any], display: Any) -> dict
     """POST the pull; meanwhile poll GET /metrics for its progress and feed the display."""
     from solar_host.cli.client import ClientError, HostClient
     from solar_host.cli.pull_display import read_pull_progress
-    from solar_host.cli.threads import in_daemon_thread
+    from solar_host.platform.threads import in_daemon_thread
 
     puller = HostClient(c.url, c.api_key, timeout=c.timeout)
     task = asyncio.ensure_future(in_daemon_thread(puller.pull, body))

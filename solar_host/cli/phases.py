@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from solar_host.cli.client import ClientError, HostClient, next_seq
 from solar_host.cli.format import visible
-from solar_host.cli.threads import in_daemon_thread
+from solar_host.platform.threads import in_daemon_thread
 
 # Progress bars a backend prints while it loads weights: transformers' and tqdm's
 # "Loading weights:  50%|#####     | 1/2", SGLang's "Loading safetensors checkpoint shards:

@@ -33,7 +33,7 @@ from solar_host.jobs.schemas import (
     StepState,
 )
 from solar_host.jobs.step_logs import RECENT_LOGS, StepLogBuffer
-from solar_host.jobs.steps import JobRun, StepRunner, run_in_thread
+from solar_host.jobs.steps import JobRun, StepRunner
 from solar_host.jobs.store import STORE_FILE, JobStore
 from solar_host.jobs.workspace import (
     check_disk,
@@ -42,6 +42,7 @@ from solar_host.jobs.workspace import (
     step_log_path,
     workspace_path,
 )
+from solar_host.platform.threads import in_daemon_thread
 from solar_host.resources.probes import SystemProbe
 from solar_host.settings import Settings
 
@@ -193,7 +194,7 @@ class JobService:
                 *(
                     # Each stop in a thread of its own: a stop waits out its grace, and the
                     # shared executor's few workers are every to_thread caller's.
-                    run_in_thread(
+                    in_daemon_thread(
                         docker.stop, run.active_container, SHUTDOWN_STOP_GRACE_S, name="job-stop"
                     )
                     for run in runs
@@ -407,7 +408,7 @@ class JobService:
             run.cancel.set()
             docker = self._docker
             if run.active_container and docker is not None:
-                await run_in_thread(docker.stop, run.active_container, 10, name="job-stop")
+                await in_daemon_thread(docker.stop, run.active_container, 10, name="job-stop")
             if run.task is not None:
                 try:
                     await asyncio.wait_for(

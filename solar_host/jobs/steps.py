@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import functools
 import logging
 import os
-import threading
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from solar_host.events import EventBus, JobLifecycle, utc_now
 from solar_host.jobs.docker import (
@@ -32,13 +30,13 @@ from solar_host.jobs.schemas import GpuRequest, JobDefinition, StepDefinition, S
 from solar_host.jobs.step_logs import StepLogBuffer, loop_deliverer, pump_container_output
 from solar_host.jobs.store import STORE_FILE, JobStore
 from solar_host.jobs.workspace import step_log_path, workspace_path
+from solar_host.platform.threads import in_daemon_thread
 from solar_host.resources.probes import GB, SystemProbe
 from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["completed", "failed", "cancelled"]
-T = TypeVar("T")
 
 WORKSPACE = "/workspace"
 HF_HOME_IN_CONTAINER = "/workspace/.cache/huggingface"
@@ -63,31 +61,6 @@ class JobRun:
     shutdown: bool = False
     active_container: str | None = None
     task: asyncio.Task[None] | None = None
-
-
-def run_in_thread(fn: Callable[..., T], *args: Any, name: str = "job-io") -> asyncio.Future[T]:
-    """Run a long blocking call in its own daemon thread (the shared executor stays free)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def target() -> None:
-        try:
-            result, exc = fn(*args), None
-        except BaseException as err:
-            result, exc = None, err
-        with contextlib.suppress(RuntimeError):  # loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, exc)
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return fut
 
 
 def default_hf_home(settings: Settings) -> Path:
@@ -333,7 +306,7 @@ class StepRunner:
             pump = self._pump_logs(stream, job_id, step.name, index)
             await asyncio.to_thread(docker.start, container_id)
             if run.cancel.is_set():  # a cancel that raced the start: stop what we started
-                await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
+                await in_daemon_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
             try:
                 exit_code, stopped = await self._wait(docker, job, container_id, limit)
             except Exception as err:  # the daemon went away (killed, restarted) mid-step
@@ -378,7 +351,7 @@ class StepRunner:
         """Copy the container's output to the step's log file and the live buffer, in a thread
         of its own, redacting the injected secrets; done when the stream ends."""
         deliver = loop_deliverer(asyncio.get_running_loop(), self.buffer, job_id, name, index)
-        return run_in_thread(
+        return in_daemon_thread(
             functools.partial(
                 pump_container_output,
                 max_line_chars=self.settings.log_line_max_bytes,
@@ -438,7 +411,7 @@ class StepRunner:
         `limit`, or JOBS_DIR's free space fell below the step's disk floor (SIGTERM, then
         SIGKILL after STOP_GRACE_S: the same stop a cancel gives)."""
         job_id = job.job_id
-        waiter = run_in_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
+        waiter = in_daemon_thread(docker.wait, container_id, name=f"job-{job_id}-wait")
         try:
             reason = await self._watch(waiter, job, limit)
             if reason is None:
@@ -449,7 +422,7 @@ class StepRunner:
             # A thread of its own: the stop may wait out its whole grace (a step that ignores
             # SIGTERM), and a shared executor worker held that long made every submit, ping
             # and state write of the host wait behind it.
-            await run_in_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
+            await in_daemon_thread(docker.stop, container_id, STOP_GRACE_S, name="job-stop")
             return await waiter, reason
         finally:
             if not waiter.done():  # this task was cancelled (the host stopping)
