@@ -7,9 +7,8 @@ Blocking (psutil, NVML): callers run it in a worker thread, or at scrape time.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
-
-import psutil
 
 from solar_host.estimates.model import CPU, gpu_name
 from solar_host.resources.usage import process_tree
@@ -30,20 +29,79 @@ def gpu_memory_by_device(probe: Any) -> dict[int, dict[int, int]]:
         return {}
 
 
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Processes one tree may hold before the walk stops (a fork bomb must not stall the sampler).
+MAX_TREE = 10_000
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _children(pid: int) -> list[int] | None:
+    """The children of `pid` from /proc/<pid>/task/<tid>/children (each thread lists those it
+    forked); None where the kernel has no such file (CONFIG_PROC_CHILDREN off)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tids:
+        data = _read(f"/proc/{pid}/task/{tid}/children")
+        if data is None:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None
+        out.extend(int(x) for x in data.split())
+    return out
+
+
+def tree_pids(root_pid: int) -> set[int]:
+    """The pid and all its descendants; empty if it is gone. Reads only the tree's own
+    /proc entries (a scan of every process costs milliseconds on a busy machine), falling
+    back to psutil's scan where the kernel cannot list children."""
+    if root_pid <= 0 or not os.path.exists(f"/proc/{root_pid}"):
+        return set()
+    pids, todo = {root_pid}, [root_pid]
+    while todo and len(pids) < MAX_TREE:
+        kids = _children(todo.pop())
+        if kids is None:
+            return process_tree(root_pid)
+        for kid in kids:
+            if kid not in pids:
+                pids.add(kid)
+                todo.append(kid)
+    return pids
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident bytes of one process (/proc/<pid>/statm); 0 when it is gone."""
+    data = _read(f"/proc/{pid}/statm")
+    try:
+        return int(data.split()[1]) * PAGE_SIZE if data else 0
+    except (IndexError, ValueError):
+        return 0
+
+
 def measure_tree(root_pid: int | None, gpu_memory: dict[int, dict[int, int]]) -> dict[str, int]:
-    """Bytes per device used by the process tree under `root_pid` ({} when it is gone)."""
+    """Bytes per device used by the process tree under `root_pid` ({} when it is gone): the
+    RSS of its processes on the CPU (shared pages count in each), NVML's per-process figures
+    summed over the tree per GPU."""
     if not root_pid:
         return {}
-    pids = process_tree(root_pid)
+    pids = tree_pids(root_pid)
     if not pids:
         return {}
-    rss = 0
-    for pid in pids:
-        try:
-            rss += psutil.Process(pid).memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    out = {CPU: rss}
+    out = {CPU: sum(rss_bytes(pid) for pid in pids)}
     for index, per_pid in sorted(gpu_memory.items()):
         used = sum(n for pid, n in per_pid.items() if pid in pids)
         if used:
