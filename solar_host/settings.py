@@ -409,7 +409,8 @@ class Settings(BaseModel):
         gt=0.0,
         le=10.0,
         description="A running instance above its admitted memory by more than this share "
-        "(0.10: 10 %) on a device for two samples in a row has drifted: an event, a log "
+        "(0.10: 10 %), and by 64 MiB at least, on a device for two samples in a row has "
+        "drifted: an event, a log "
         "line and a metric, and the excess counts against the next start at once.",
     )
     memory_measurements_max: int = Field(

@@ -13,7 +13,8 @@ owner of the per-instance state here.
   written to memory-measurements.json when they changed. A load that never became ready is
   not recorded: its peak is not what a load of that config takes.
 - Drift: a running instance above its admitted figure on a device by more than
-  MEMORY_DRIFT_SHARE for two samples in a row publishes MemoryDrift, logs a warning, counts in
+  MEMORY_DRIFT_SHARE (and by at least DRIFT_FLOOR_BYTES) for two samples in a row publishes
+  MemoryDrift, logs a warning, counts in
   `drifts` (the metric) and raises its admitted figure to what it takes (CapacityGate.raise_to),
   so its hold and the reservation it covers count the excess for the next start at once.
 
@@ -37,6 +38,10 @@ from solar_host.estimates.model import CPU
 from solar_host.events import EventBus, MemoryDrift
 
 log = logging.getLogger(__name__)
+
+# An excess smaller than this is not drift: a tiny model's runtime (llama-server's code and
+# libraries, ~27 MiB of RSS) is far above its estimate without the model outgrowing anything.
+DRIFT_FLOOR_BYTES = 64 * 1024 * 1024
 
 LOADING = "starting"
 SERVING = "running"
@@ -206,7 +211,8 @@ class MemorySampler:
         share = self.drift_share()
         for dev, admitted in list(placement.needs.items()):
             seen = t.last.get(dev, 0)
-            if admitted <= 0 or seen <= admitted * (1.0 + share):
+            limit = max(admitted * (1.0 + share), admitted + DRIFT_FLOOR_BYTES)
+            if admitted <= 0 or seen <= limit:
                 t.over[dev] = 0
                 continue
             t.over[dev] = t.over.get(dev, 0) + 1
