@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -358,3 +359,28 @@ async def test_backends_bind_where_the_host_says_unless_the_config_does(
         assert inst["status"] == "running", inst
         assert _listen_addresses(inst["pid"]) == {expected}
         await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_a_start_that_fails_before_spawning_says_why_in_the_instance_log(
+    tmp_path: Path, llama_bin: str, tiny_gguf: Path
+) -> None:
+    """Issue 40: a model file gone before the start failed with `log_tail: []` and an empty
+    GET .../logs (control's start-failure scenario): the reason was only in the host's log."""
+    model = tmp_path / "models" / "gone.gguf"
+    model.parent.mkdir(parents=True)
+    shutil.copyfile(tiny_gguf, model)
+    s = host_settings(tmp_path, llama_server_bin=llama_bin)
+    async with running_host(s) as h:
+        r = await h.client.post("/instances", json={"config": llama_cfg(model)})
+        iid = r.json()["instance"]["id"]
+        model.unlink()
+        r = await h.client.post(f"/instances/{iid}/start")
+        assert r.status_code == 500, r.text
+        tail = r.json()["log_tail"]
+        assert any("not started" in line and "gone.gguf" in line for line in tail), tail
+        lines = (await h.client.get(f"/instances/{iid}/logs")).json()
+        assert any("gone.gguf" in e["line"] for e in lines), lines
+        # Kept on disk too: after a delete, the logs are read back from the instance's file.
+        assert (await h.client.delete(f"/instances/{iid}")).status_code == 200
+        lines = (await h.client.get(f"/instances/{iid}/logs")).json()
+        assert any("gone.gguf" in e["line"] for e in lines), lines

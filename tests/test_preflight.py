@@ -79,8 +79,15 @@ async def test_start_fails_at_once_naming_field_and_file(tmp_path: Path, case: s
         inst = (await h.client.get(f"/instances/{iid}")).json()
         assert inst["status"] == "failed" and inst["retry_count"] == 1 and inst["pid"] is None
         assert body["exit_code"] is None
-        # nothing was spawned: no backend log file
-        assert not list((tmp_path / "logs").glob(f"*{iid}*"))
+        # Nothing was spawned: the instance's log holds only the host's word of why (issue
+        # 40: a start that failed before any process existed left its log empty).
+        logged = [
+            line
+            for f in (tmp_path / "logs").glob(f"*{iid}*")
+            for line in f.read_text().splitlines()
+        ]
+        assert logged and all(line.startswith("solar-host: ") for line in logged), logged
+        assert any(path in line for line in logged), logged
 
 
 async def test_backend_that_cannot_run_fails_before_spawn(tmp_path: Path) -> None:

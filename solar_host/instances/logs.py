@@ -485,6 +485,17 @@ def log_file_name(alias_safe: str, instance_id: str, ts: float | None = None) ->
     return f"{alias_safe}_{instance_id}_{int(ts if ts is not None else time.time())}.log"
 
 
+def append_line(path: Path, line: str) -> None:
+    """One line the host writes into an instance's log file itself (a start that failed
+    before its backend ran). Blocking."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    try:
+        os.write(fd, (line + "\n").encode("utf-8", "replace"))
+    finally:
+        os.close(fd)
+
+
 def new_log_path(log_dir: Path, alias_safe: str, instance_id: str) -> Path:
     """A log file of its own for one start attempt.
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from solar_host.backends.base import Backend, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start
-from solar_host.events import InstanceStartFinished, InstanceStartTimed
+from solar_host.events import InstanceStartFinished, InstanceStartTimed, LogLine
 from solar_host.instances import adoption, crashes, health, launch, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.errors import (
@@ -30,7 +30,7 @@ from solar_host.instances.errors import (
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import probe_address
 from solar_host.instances.lease import Lease, LineSink
-from solar_host.instances.logs import LogFollower, LogRing, new_log_path
+from solar_host.instances.logs import LogFollower, LogRing, append_line, new_log_path
 from solar_host.instances.restarts import CrashLoop, RestartPolicy
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import StoredInstance
@@ -381,6 +381,7 @@ class Supervisor:
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
             self.ctx.ports.release(port)
             self.after_stop_hook()
+            await self._log_unspawned(str(err))
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
             log.warning("%s: %s", config.alias, w)
@@ -402,8 +403,9 @@ class Supervisor:
         spawned_at = time.monotonic()
         try:
             proc = await launch.spawn(spec, env, log_path, settings)
-        except AttemptFailed:
+        except AttemptFailed as err:
             self.ctx.ports.release(port)
+            await self._log_unspawned(err.reason)
             raise
         self.lease = Lease(proc, port, self.ctx.ports)
         proc.port = port
@@ -416,6 +418,21 @@ class Supervisor:
             seq_base=self.ring.next_seq,
         )
         await self._until_ready(proc, backend, config, port, timeout, spawned_at, log_path)
+
+    async def _log_unspawned(self, reason: str) -> None:
+        """A start that failed before any backend process existed says why in the instance's
+        own log (its ring, the bus, and a log file of its own), where control and the
+        operator look (GET .../logs, the start's log_tail): it was only in the host's log."""
+        line = f"solar-host: the backend was not started: {reason}"
+        ts = datetime.now(UTC).isoformat()
+        for e in self.ring.append_many([self.redactor()(line)], ts):
+            self.ctx.bus.publish(LogLine(self.id, e.seq, ts, e.line))
+        settings = self.ctx.settings
+        path = new_log_path(settings.log_dir, alias_safe(self.instance.config.alias), self.id)
+        try:
+            await asyncio.to_thread(append_line, path, line)
+        except OSError as err:
+            log.warning("cannot write %s: %s", path, err.strerror or err)
 
     async def _until_ready(
         self,
