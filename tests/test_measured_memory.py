@@ -6,6 +6,7 @@ is caught (event, log line, metric)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -286,3 +287,36 @@ def test_a_fifo_or_device_in_its_place_is_moved_aside_unread(tmp_path: Path) -> 
     store = MeasurementStore(path)
     store.load()
     assert len(store) == 0 and store.quarantined[0].is_symlink() and not path.exists()
+
+
+def test_tree_walk_finds_children_forked_by_any_thread() -> None:
+    """procfs.children reads each thread's list: a child started from a worker thread (as
+    HF and SGLang servers start theirs) is in the tree, and its own child too."""
+    import subprocess
+    import sys
+
+    from solar_host.estimates.accounting import measure_tree, tree_pids
+    from solar_host.resources.usage import process_tree
+
+    script = (
+        "import subprocess, threading, time\n"
+        "kids = []\n"
+        "t = threading.Thread(target=lambda: kids.append(subprocess.Popen("
+        "['sh', '-c', 'sleep 60 & wait'])))\n"
+        "t.start(); t.join()\n"
+        "kids.append(subprocess.Popen(['sleep', '60']))\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"ready\n"
+        want = _wait_for(lambda: (lambda t: t if len(t) == 4 else None)(process_tree(parent.pid)))
+        assert tree_pids(parent.pid) == want
+        assert measure_tree(parent.pid, {})["cpu"] > 0
+    finally:
+        for pid in process_tree(parent.pid) - {parent.pid}:
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+        parent.kill()
+        parent.wait(timeout=10)
+    assert tree_pids(parent.pid) == set()

@@ -7,10 +7,10 @@ Blocking (psutil, NVML): callers run it in a worker thread, or at scrape time.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from solar_host.estimates.model import CPU, gpu_name
+from solar_host.instances import procfs
 from solar_host.resources.usage import process_tree
 
 log = logging.getLogger(__name__)
@@ -29,51 +29,19 @@ def gpu_memory_by_device(probe: Any) -> dict[int, dict[int, int]]:
         return {}
 
 
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # Processes one tree may hold before the walk stops (a fork bomb must not stall the sampler).
 MAX_TREE = 10_000
 
 
-def _read(path: str) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 65536)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _children(pid: int) -> list[int] | None:
-    """The children of `pid` from /proc/<pid>/task/<tid>/children (each thread lists those it
-    forked); None where the kernel has no such file (CONFIG_PROC_CHILDREN off)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    out: list[int] = []
-    for tid in tids:
-        data = _read(f"/proc/{pid}/task/{tid}/children")
-        if data is None:
-            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
-                continue  # the thread ended meanwhile
-            return None
-        out.extend(int(x) for x in data.split())
-    return out
-
-
 def tree_pids(root_pid: int) -> set[int]:
     """The pid and all its descendants; empty if it is gone. Reads only the tree's own
-    /proc entries (a scan of every process costs milliseconds on a busy machine), falling
-    back to psutil's scan where the kernel cannot list children."""
-    if root_pid <= 0 or not os.path.exists(f"/proc/{root_pid}"):
+    /proc entries (procfs.children), falling back to psutil's scan where the kernel cannot
+    list children."""
+    if root_pid <= 0 or procfs.stat(root_pid) is None:
         return set()
     pids, todo = {root_pid}, [root_pid]
     while todo and len(pids) < MAX_TREE:
-        kids = _children(todo.pop())
+        kids = procfs.children(todo.pop())
         if kids is None:
             return process_tree(root_pid)
         for kid in kids:
@@ -81,15 +49,6 @@ def tree_pids(root_pid: int) -> set[int]:
                 pids.add(kid)
                 todo.append(kid)
     return pids
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident bytes of one process (/proc/<pid>/statm); 0 when it is gone."""
-    data = _read(f"/proc/{pid}/statm")
-    try:
-        return int(data.split()[1]) * PAGE_SIZE if data else 0
-    except (IndexError, ValueError):
-        return 0
 
 
 def measure_tree(root_pid: int | None, gpu_memory: dict[int, dict[int, int]]) -> dict[str, int]:
@@ -101,7 +60,7 @@ def measure_tree(root_pid: int | None, gpu_memory: dict[int, dict[int, int]]) ->
     pids = tree_pids(root_pid)
     if not pids:
         return {}
-    out = {CPU: sum(rss_bytes(pid) for pid in pids)}
+    out = {CPU: sum(procfs.rss_bytes(pid) for pid in pids)}
     for index, per_pid in sorted(gpu_memory.items()):
         used = sum(n for pid, n in per_pid.items() if pid in pids)
         if used:
