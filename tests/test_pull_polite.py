@@ -57,7 +57,7 @@ async def test_a_429_is_waited_out_as_retry_after_asks_and_progress_says_so(tmp_
 
 
 async def test_a_503_of_the_hubs_api_without_a_time_backs_off(tmp_path, monkeypatch):
-    monkeypatch.setattr(pacing, "BACKOFF_FIRST_S", 0.2)
+    monkeypatch.setattr(pacing, "BACKOFF_FIRST_S", 0.5)  # the progress polls every 0.2 s
     hub = FakeHub(hub_repo(tmp_path, {"config.json": b"{}"})).start()
     try:
         hub.busy_api = True
@@ -67,7 +67,7 @@ async def test_a_503_of_the_hubs_api_without_a_time_backs_off(tmp_path, monkeypa
         events: list[dict] = []
         began = time.monotonic()
         await asyncio.wait_for(store.pull(hf(), events.append), 30)
-        assert time.monotonic() - began >= 0.2 + 0.4  # 0.2 s, then twice that
+        assert time.monotonic() - began >= 0.5 + 1.0  # 0.5 s, then twice that
         notes = [e["waiting"] for e in events if e.get("waiting")]
         assert notes and all("503 Service Unavailable" in n and "backing off" in n for n in notes)
         assert {e["phase"] for e in events if e.get("waiting")} == {"resolving"}
