@@ -13,13 +13,11 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from solar_host.events import EventBus, PullProgress
-from solar_host.model_store import oci
 from solar_host.model_store.catalog import SLUG_RE, StoreError, local_models, recorded
 from solar_host.model_store.deletion import InUse, delete_model
-from solar_host.model_store.download import Download, PullJob
 from solar_host.model_store.manifest import Manifest, ManifestEntry
 from solar_host.model_store.pacing import RateCap
 from solar_host.model_store.placement import PARTIAL, recover_replaced, replaced_path
@@ -36,6 +34,11 @@ from solar_host.model_store.sources import SourceError, confine, repo_base_uri, 
 from solar_host.model_store.verify import MISMATCH, MISSING, verify_model
 from solar_host.resources.probes import disk_usage
 from solar_host.settings import Settings
+
+if TYPE_CHECKING:
+    # Imported by the first pull (download and oci bring the Hub and registry clients, tar
+    # and the layer code): 10-15 ms of every host start that pulls nothing.
+    from solar_host.model_store.download import Download, PullJob
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class ModelStore:
         return Manifest(self.models_dir)
 
     def _download(self) -> Download:
+        from solar_host.model_store.download import Download
+
         return Download(self.settings, self.manifest, self._free_bytes, self._rate_cap)
 
     async def start(self) -> None:
@@ -155,6 +160,9 @@ class ModelStore:
         return result
 
     async def _pull(self, req: PullRequest, rep: PullReporter) -> dict[str, Any]:
+        from solar_host.model_store import oci
+        from solar_host.model_store.download import PullJob
+
         harbor_host = None
         if req.source == "harbor":
             s = self.settings
