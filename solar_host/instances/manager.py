@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.util
 import json
 import logging
@@ -24,6 +23,7 @@ from solar_host.backends.registry import BackendRegistry
 from solar_host.events import EventBus, InstancesChanged
 from solar_host.instances import adoption, boot, ownership
 from solar_host.instances import process as procs
+from solar_host.instances.config_check import ConfigCheck
 from solar_host.instances.context import SupervisorContext
 from solar_host.instances.errors import (
     InstanceConflict,
@@ -42,10 +42,8 @@ from solar_host.instances.logs import (
 )
 from solar_host.instances.ports import PortAllocator
 from solar_host.instances.schemas import (
-    ConfigError,
     Instance,
     Priority,
-    parse_config,
 )
 from solar_host.instances.states import ACTIVE, InstanceStatus
 from solar_host.instances.store import InstanceStore, LoadResult, StoredInstance
@@ -85,6 +83,13 @@ class InstanceManager:
         self.ports = PortAllocator(settings.start_port, self._held_ports)
         self.probe_pacer = ProbePacer()  # readiness probes of every starting backend
         self.manifest_lookup: Callable[[str], Path | None] | None = None
+        self.configs = ConfigCheck(
+            settings=settings,
+            backends=backends,
+            api_key=api_key,
+            facts=self.facts,
+            manifest_lookup=lambda: self.manifest_lookup,
+        )
         # What every supervisor may use of the host (never the manager itself).
         self.ctx = SupervisorContext(
             settings=settings,
@@ -425,91 +430,8 @@ class InstanceManager:
         self, raw: Any, warnings: list[str] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """A config as given (create, update, estimate) checked and parsed, with the fields
-        derived from it. In a worker thread: finding the model walks directories (up to
-        50,000 entries), reads manifest.json and model configs, and the availability check may
-        read the GPU probe, none of which may hold the event loop."""
-
-        def work() -> tuple[Any, dict[str, Any]]:
-            config = self._parse(raw, warnings=warnings)
-            return config, self._derived(config)
-
-        return await asyncio.to_thread(work)
-
-    def _parse(
-        self,
-        raw: Any,
-        *,
-        loc_prefix: tuple[str, ...] = ("body", "config"),
-        warnings: list[str] | None = None,
-    ) -> Any:
-        try:
-            config = parse_config(
-                raw,
-                models_dir=self.settings.models_dir,
-                strict=True,
-                manifest_lookup=self.manifest_lookup,
-                roots=self.settings.model_root_dirs,
-            )
-        except ConfigError as err:
-            raise InvalidInstanceConfig(
-                [{**e, "loc": [*loc_prefix, *e["loc"]]} for e in err.errors]
-            ) from None
-        if config.api_key is not None and hmac.compare_digest(
-            config.api_key.encode(), self.api_key().encode()
-        ):
-            # The host key, which GET shows in config.api_key of an instance without a key of
-            # its own (instance_json): a config read, edited and put back carried it. Kept,
-            # it stayed a key of that backend after the host key was changed.
-            config.api_key = None
-        if not (isinstance(raw, dict) and raw.get("host")):
-            # Unset: where this host's backends bind (BACKEND_HOST, default HOST), kept with
-            # the config so a later change of the setting moves no running instance.
-            config.host = self.settings.effective_backend_host
-        self._check_config(raw, config, loc_prefix, warnings)
-        return config
-
-    def _check_config(
-        self, raw: Any, config: Any, loc: tuple[str, ...], warnings: list[str] | None
-    ) -> None:
-        """Unknown fields (a near miss of a known one: 422; others warned, or 422 under
-        STRICT_CONFIG) and fields the backend this host runs cannot honour (422): never
-        silently dropped."""
-        from solar_host.instances.config_fields import unknown_fields
-
-        errors: list[dict[str, Any]] = []
-        for key, msg, near_miss in unknown_fields(raw):
-            if near_miss is not None or self.settings.strict_config:
-                errors.append({"loc": [*loc, key], "msg": msg, "type": "extra_forbidden"})
-            else:
-                log.warning("config of %s: %s", config.alias, msg)
-                if warnings is not None:
-                    warnings.append(msg)
-        try:
-            backend = self.backends.for_type(config.backend_type)
-        except KeyError:
-            backend = None
-        if backend is not None:
-            # Accepted (the operator may install it before the start), but said at once.
-            from solar_host.backends.availability import describe
-
-            found = describe(backend, self.facts())
-            if not found.available:
-                msg = f"backend {config.backend_type} cannot run on this host: {found.reason}"
-                log.warning("config of %s: %s", config.alias, msg)
-                if warnings is not None:
-                    warnings.append(msg)
-        for r in backend.create_refusals(config, self.facts()) if backend is not None else ():
-            errors.append({"loc": [*loc, r["field"]], "msg": r["msg"], "type": "unsupported"})
-        if errors:
-            raise InvalidInstanceConfig(errors)
-
-    def _derived(self, config: Any) -> dict[str, Any]:
-        backend = self.backends.for_type(config.backend_type)
-        return {
-            "supported_endpoints": backend.supported_endpoints(config),
-            "served_model_name": backend.served_model_name(config),
-            "capabilities": backend.capabilities(config, self.settings.models_dir),
-        }
+        derived from it (config_check.ConfigCheck)."""
+        return await self.configs.parse(raw, warnings)
 
     async def create(
         self,
