@@ -10,7 +10,8 @@ owner of the per-instance state here.
   serving alike). Steady: the last figure while it serves.
 - Remembered: once an instance serves, its peak (and steady) are recorded under the
   measurement key its start was admitted with (Placement.key) in the MeasurementStore, and
-  written to memory-measurements.json when they changed. A load that never became ready is
+  written to memory-measurements.json: a new load at once, a peak that grew since within
+  WRITE_EVERY_S, everything when the host stops. A load that never became ready is
   not recorded: its peak is not what a load of that config takes.
 - Drift: a running instance above its admitted figure on a device by more than
   MEMORY_DRIFT_SHARE (and by at least DRIFT_FLOOR_BYTES) for two samples in a row publishes
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 # An excess smaller than this is not drift: a tiny model's runtime (llama-server's code and
 # libraries, ~27 MiB of RSS) is far above its estimate without the model outgrowing anything.
 DRIFT_FLOOR_BYTES = 64 * 1024 * 1024
+
+# A peak that only grew since the last write waits this long for the next one: admission
+# reads the figures in memory, the file only has to survive a restart.
+WRITE_EVERY_S = 30.0
 
 LOADING = "starting"
 SERVING = "running"
@@ -104,6 +109,8 @@ class MemorySampler:
         self.rounds = 0
         self.last_cost_s = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._write_now = False
+        self._written_at = time.monotonic()
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def load_state(self) -> None:
@@ -161,7 +168,10 @@ class MemorySampler:
             seen = figures.get(iid)
             if seen:
                 self._take(iid, pid, status, seen)
-        await asyncio.to_thread(self.store.flush)
+        if self._write_now or time.monotonic() - self._written_at >= WRITE_EVERY_S:
+            self._write_now = False
+            self._written_at = time.monotonic()
+            await asyncio.to_thread(self.store.flush)
 
     def _take(self, iid: str, pid: int, status: str, seen: dict[str, int]) -> None:
         t = self.tracked.get(iid)
@@ -185,14 +195,11 @@ class MemorySampler:
 
     def _remember(self, t: Tracked, placement: Any) -> None:
         """Record the peak under the key it was admitted with, when it is new or grew (and
-        the steady figure with it); the first serving sample of a process is a new load."""
+        the steady figure with it); the first serving sample of a process is a new load,
+        written to the file at once (`sample`)."""
         if placement is None or not placement.key:
             return
-        if (
-            t.recorded is not None
-            and all(t.peak.get(dev, 0) <= n for dev, n in t.recorded.items())
-            and set(t.peak) <= set(t.recorded)
-        ):
+        if t.recorded is not None and all(n <= t.recorded.get(dev, 0) for dev, n in t.peak.items()):
             return
         gpus = [d for d in placement.device_names if d != CPU]
         cpu, per_gpu = _split(t.peak, gpus)
@@ -205,6 +212,7 @@ class MemorySampler:
             new_load=t.recorded is None,
             backend_type=placement.estimate.backend_type,
         )
+        self._write_now = self._write_now or t.recorded is None
         t.recorded = dict(t.peak)
 
     def _check_drift(self, t: Tracked, placement: Any) -> None:
