@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from solar_host.estimates.dispatch import estimate_config
-from solar_host.estimates.gguf import parse_devices
 from solar_host.estimates.measured import Measurement, MeasurementStore, memory_key
 from solar_host.estimates.model import CPU, Device, Estimate, EstimateError, gpu_name
 from solar_host.instances.errors import InstanceConflict
@@ -161,6 +160,9 @@ def _candidates(
     order = sorted(gpus, key=lambda g: free.get(g.name, 0), reverse=True)
     bt = config.backend_type
     if bt == "llamacpp":
+        # Imported here, as dispatch imports the GGUF estimator: not at every host start.
+        from solar_host.estimates.gguf import parse_devices
+
         named = parse_devices(config.devices)
         if named is not None:
             missing = [i for i in named if i not in by_index]
