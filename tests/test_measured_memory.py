@@ -320,3 +320,70 @@ def test_tree_walk_finds_children_forked_by_any_thread() -> None:
         parent.kill()
         parent.wait(timeout=10)
     assert tree_pids(parent.pid) == set()
+
+
+class BudgetProbe(FakeProbe):
+    """A machine with `budget` bytes of RAM whose backends are the only users: what is
+    available is the budget less the RSS of every running instance's tree, read live."""
+
+    def __init__(self, budget: int):
+        super().__init__(ram=(64, 0))
+        self.budget = budget
+        self.host = None
+
+    def used(self) -> int:
+        from solar_host.estimates.accounting import measure_tree
+
+        sups = self.host.instances.supervisors.values() if self.host is not None else []
+        return sum(measure_tree(s.instance.pid, {}).get("cpu", 0) for s in sups)
+
+    def ram(self):
+        from solar_host.resources.probes import Usage
+
+        used = self.used()
+        return Usage(self.budget, used, max(self.budget - used, 0))
+
+
+async def test_twenty_configs_on_a_set_budget(tmp_path: Path, model: Path) -> None:
+    """Issue 41: 20 configs measured once, then started one after another on a machine with
+    a set amount of memory: none admitted takes the machine past it, and at most 5 % are
+    refused that would have fit."""
+    probe = BudgetProbe(1 << 40)
+    settings = host_settings(
+        tmp_path, model_roots=str(model.parent), memory_sample_interval_s=3600.0
+    )
+    async with running_host(
+        settings, backends=BackendRegistry([ScriptBackend()]), probe=probe
+    ) as h:
+        probe.host = h.host
+        ids, peaks = [], []
+        for i in range(20):
+            config = cfg(tmp_path, model, "--hold-mib", str(4 + 5 * i), alias=f"mem:{i}")
+            r = await h.client.post("/instances", json={"config": config})
+            ids.append(r.json()["instance"]["id"])
+            assert (await h.client.post(f"/instances/{ids[-1]}/start")).status_code == 200
+            peaks.append((await _until_serving_sampled(h, ids[-1]))["peak_bytes"])
+            await h.client.post(f"/instances/{ids[-1]}/stop")
+        probe.budget = int(sum(peaks) * 0.6)
+        admitted, refused, would_fit, worst = 0, 0, 0, 0
+        for iid, peak in zip(ids, peaks, strict=True):
+            r = await h.client.post(f"/instances/{iid}/start")
+            if r.status_code == 409:
+                refused += 1
+                body = r.json()
+                assert body["source"] == "measured"
+                would_fit += peak <= body["available_bytes"]
+                continue
+            assert r.status_code == 200, r.text
+            admitted += 1
+            await _until_serving_sampled(h, iid)
+            used = probe.used()
+            worst = max(worst, used)
+            assert used <= probe.budget, (used, probe.budget)
+        print(
+            f"\nbudget {probe.budget / MIB:.0f} MiB: {admitted} admitted (most in use "
+            f"{worst / MIB:.0f} MiB), {refused} refused, {would_fit} of them would have fit"
+        )
+        assert admitted and refused and would_fit <= 1
+        for iid in ids:
+            await h.client.post(f"/instances/{iid}/stop")
