@@ -254,13 +254,14 @@ def test_measurement_survives_a_host_restart(tmp_path: Path, model: Path) -> Non
             def sampled() -> dict | None:
                 mem = c.get(f"/instances/{iid}/usage").json().get("memory") or {}
                 peak = (mem.get("sampled") or {}).get("peak_bytes")
-                return mem if peak and (mem["sampled"]["samples"] >= 3) else None
+                # steady: sampled while serving (samples during the load do not count)
+                return mem if peak and mem["sampled"]["steady_bytes"] else None
 
             first = _wait_for(sampled)
             assert first["source"] == "estimated"
             c.post(f"/instances/{iid}/stop")
         store = tmp_path / "host" / "memory-measurements.json"
-        doc = json.loads(store.read_text())
+        doc = json.loads(_wait_for(lambda: store.is_file() and store.read_text()))
         (entry,) = doc["measurements"].values()
         assert entry["peak_cpu"] >= 64 * MIB and entry["loads"] == 1
         hp.stop()
