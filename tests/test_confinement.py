@@ -429,6 +429,7 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
         ".config.json.x1y2.tmp": "{}\n",
         "api_key": "the-host-key\n",
         "reservations.json": "{}\n",
+        "memory-measurements.json": "{}\n",
         "logs/host.log": "a prompt\n",
         "jobs/store.json": "{}\n",
         "backend-keys/other": "k\n",

@@ -221,7 +221,12 @@ class AccessPolicy:
 
 # Names of the host's own files beside config.json (and their .prev, .damaged-*, temporary
 # and .host-id companions, which begin the same way).
-STATE_FILE_PREFIXES = ("api_key", "reservations.json", ".solar-host.lock")
+STATE_FILE_PREFIXES = (
+    "api_key",
+    "reservations.json",
+    "memory-measurements.json",
+    ".solar-host.lock",
+)
 # Entries a tree holding the host's state may list before the split gives up on it.
 MAX_SPLIT_ENTRIES = 10_000
 
