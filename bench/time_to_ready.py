@@ -1,7 +1,10 @@
 """Time from "start" to "serving": the host's POST /instances/{id}/start against spawning the
 same llama-server command directly and polling /health.
 
-Prints both medians and their ratio (target: host / direct <= 1.05).
+Prints both medians and their ratio (target: host / direct <= 1.05), then each step of the
+host's own start path timed in-process on this checkout's code (the roots check and preflight,
+the command line, the confinement policy and ruleset, the spawn confined against unconfined,
+readiness, the proof of the listener), so the share of each in the host's cost shows.
 
     .venv/bin/python bench/time_to_ready.py [--runs 10]
 
@@ -11,6 +14,7 @@ Prints both medians and their ratio (target: host / direct <= 1.05).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import subprocess
@@ -68,10 +72,82 @@ def direct_once(binary: str, model: Path, tmp: Path) -> float:
             proc.wait(10)
 
 
-def host_runs(
+def step_runs(binary: str, model: Path, tmp: Path, runs: int) -> dict[str, list[float]]:
+    """The host's start path step by step, in this process, as supervisor._attempt runs it
+    (the same functions, the host's settings shape, BACKEND_READ_CONFINEMENT=required)."""
+    from solar_host.backends.base import HostFacts
+    from solar_host.instances import confinement, launch, ownership
+    from solar_host.instances import process as procs
+    from solar_host.settings import Settings
+
+    settings = Settings(
+        api_key=KEY,
+        config_file=tmp / "steps" / "config.json",
+        log_dir=tmp / "steps" / "logs",
+        models_dir=model.parent,
+        jobs_dir=tmp / "steps" / "jobs",
+        llama_server_bin=binary,
+        backend_read_confinement="required",
+    )
+    facts = HostFacts(gpu_type="cpu", llama_server_bin=binary)
+    config = LlamaCppConfig(alias="bench:tiny", model=str(model), ctx_size=512, host="127.0.0.1")
+    steps: dict[str, list[float]] = {}
+
+    def lap(name: str, since: float) -> float:
+        now = time.monotonic()
+        steps.setdefault(name, []).append(now - since)
+        return now
+
+    for i in range(runs):
+        port = free_port()
+        t = time.monotonic()
+        BACKEND.capabilities(config, settings.models_dir)
+        t = lap("capabilities", t)
+        ctx = launch.launch_context(settings, "bench", port, KEY, facts)
+        spec = launch.prepare(BACKEND, config, ctx, settings, facts)
+        t = lap("roots + preflight + argv", t)
+        env = launch.environment(
+            spec, settings, marker="bench-marker", port=port, key_hash="h", spawn_id=f"s{i}"
+        )
+        policy = confinement.access_policy(
+            roots=settings.model_root_dirs, argv=spec.argv, env=env, private_files=[]
+        )
+        t = lap("environment + policy", t)
+        proc = procs.spawn(
+            spec.argv, env, tmp / "steps" / "b.log", settings.models_dir, policy, "required"
+        )
+        t = lap("spawn, confined", t)
+        try:
+            with httpx.Client(timeout=1.0) as c:
+                for _ in range(2000):
+                    try:
+                        if c.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.005)
+            t = lap("readiness (the backend's own)", t)
+            # What health.prove_listener calls once the backend answers.
+            owned = ownership.owns_port(proc.identity, port, proc.marker)
+            procs.note_listener(proc, port)
+            t = lap("listener proof", t)
+            assert owned, "the bench's backend does not own its port"
+        finally:
+            asyncio.run(procs.terminate(proc, 5.0))
+        t = time.monotonic()
+        bare = procs.spawn(spec.argv, env, tmp / "steps" / "u.log", settings.models_dir)
+        lap("spawn (unconfined, for scale)", t)
+        asyncio.run(procs.terminate(bare, 5.0))
+    return steps
+
+
+def paired_runs(
     binary: str, model: Path, tmp: Path, runs: int, args: argparse.Namespace
-) -> list[float]:
-    times = []
+) -> tuple[list[float], list[float]]:
+    """`runs` pairs, each a direct spawn then a host start right after it, so a machine that
+    gets busier or quieter weighs on both sides of a pair (the host's cost is read from each
+    pair's difference: on a loaded machine the backend's own time swings tenfold)."""
+    direct, times = [], []
     with tree_host(tmp / "host", args, env={"LLAMA_SERVER_BIN": binary}, api_key=KEY) as host:
         host.start()
         with host.client() as c:
@@ -89,13 +165,14 @@ def host_runs(
             r.raise_for_status()
             iid = r.json()["instance"]["id"]
             for _ in range(runs):
+                direct.append(direct_once(binary, model, tmp))
                 t0 = time.monotonic()
                 r = c.post(f"/instances/{iid}/start")
                 elapsed = time.monotonic() - t0
                 r.raise_for_status()
                 times.append(elapsed)
                 c.post(f"/instances/{iid}/stop").raise_for_status()
-    return times
+    return direct, times
 
 
 def main() -> int:
@@ -110,9 +187,11 @@ def main() -> int:
         (tmp / "host" / "models").mkdir(parents=True)
         model = write_tiny_gguf(tmp / "host" / "models" / "tiny.gguf")
         direct_once(binary, model, tmp)  # warm the page cache
-        direct = [direct_once(binary, model, tmp) for _ in range(args.runs)]
-        host = host_runs(binary, model, tmp, args.runs, args)
+        direct, host = paired_runs(binary, model, tmp, args.runs, args)
+        steps = step_runs(binary, model, tmp, args.runs)
     d_med, h_med = statistics.median(direct), statistics.median(host)
+    over = sorted(h - d for h, d in zip(host, direct, strict=True))
+    o_med = statistics.median(over)
     print(f"llama-server binary: {binary}")
     print(f"{'':24}{'median':>10}{'min':>10}{'max':>10}")
     print(
@@ -124,9 +203,23 @@ def main() -> int:
         f"{max(host) * 1000:>9.1f}ms"
     )
     print(f"ratio host/direct: {h_med / d_med:.3f}   (target <= 1.05)")
+    print(
+        f"host over direct, median of the pairs: {o_med * 1000:+.1f} ms (quartiles "
+        f"{over[len(over) // 4] * 1000:+.1f} to {over[(3 * len(over)) // 4] * 1000:+.1f} ms; "
+        "target <= +5 ms)"
+    )
+    print("\nthe start path step by step (this checkout, in-process, confinement required):")
+    # Shares of the host's own steps; the backend's readiness and a bare spawn are for scale.
+    mine = {k: statistics.median(v) for k, v in steps.items() if not k.endswith(")")}
+    mine_total = sum(mine.values())
+    for name, values in steps.items():
+        med = statistics.median(values)
+        share = f"{med / mine_total:>8.1%}" if name in mine else "   (scale)"
+        print(f"  {name:32}{med * 1000:>9.2f}ms{share}")
+    print(f"  {'host steps in all':32}{mine_total * 1000:>9.2f}ms")
     print_result(
         args,
-        {"direct_ms": d_med * 1000, "host_ms": h_med * 1000, "over_ms": (h_med - d_med) * 1000},
+        {"direct_ms": d_med * 1000, "host_ms": h_med * 1000, "over_ms": o_med * 1000},
     )
     return 0
 

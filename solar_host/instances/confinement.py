@@ -5,9 +5,9 @@ files) and write only their caches, temporary files and devices, enforced by the
 The roots check (model_store/roots.py) judges every path a config names when it is created and
 again at start, but a backend opens its files later: a symlink re-pointed in between (by a job
 that can write a model root or the HF cache) was followed. Landlock closes that window. The
-host builds a ruleset naming the trees a backend may read, and the backend is started through
-landlock_exec.py, which applies it and execs the backend; it then holds for the backend and
-everything it starts, at every open. A path the ruleset does not name is EACCES, whatever link
+host builds a ruleset naming the trees a backend may read, and landlock_exec.py applies it to
+the thread that spawns the backend; it then holds for the backend and everything it starts, at
+every open. A path the ruleset does not name is EACCES, whatever link
 leads there.
 
 Writes are confined by the same ruleset (BACKEND_WRITE_CONFINEMENT, on by default): a backend
@@ -31,12 +31,15 @@ import functools
 import logging
 import os
 import stat
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from solar_host.backends.base import CACHE_VARS
+from solar_host.instances import landlock_exec
 from solar_host.platform.libc import libc as c_library
 
 log = logging.getLogger(__name__)
@@ -476,7 +479,7 @@ def prepare_writable(policy: AccessPolicy) -> None:
 
 
 class Ruleset:
-    """A Landlock ruleset built in the host; `restrict` applies it in a forked child."""
+    """A Landlock ruleset built in the host; confined_popen applies it to a spawning thread."""
 
     def __init__(self, fd: int, skipped: list[str]):
         self.fd = fd
@@ -554,20 +557,23 @@ class Ruleset:
         os.close(self.fd)
 
 
-def confined_command(argv: Sequence[str], env: Mapping[str, str], ruleset: Ruleset) -> list[str]:
-    """The command that runs `argv` under `ruleset` (landlock_exec.py, by path). The program
-    is looked up here, on the backend's PATH, so a missing one fails the spawn as it would
-    unconfined (FileNotFoundError), not later as an exit code."""
+def confined_popen(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    ruleset: Ruleset,
+    popen: Callable[[str], subprocess.Popen[Any]],
+) -> subprocess.Popen[Any]:
+    """`popen(program)` (subprocess.Popen of `argv` with `program` as its executable) under
+    `ruleset`, applied by landlock_exec.py to the thread that spawns it. The program is looked
+    up here, on the backend's PATH, so a missing one fails the spawn as it would unconfined
+    (FileNotFoundError), not as EACCES on a PATH entry the ruleset does not name."""
     import shutil
 
     program = argv[0]
     found = shutil.which(program, path=env.get("PATH", os.defpath))
     if found is None:
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
-    launcher = str(Path(__file__).with_name("landlock_exec.py"))
-    lc_ctype = env.get("LC_CTYPE")
-    lc_arg = "" if lc_ctype is None else f"={lc_ctype}"
-    return [sys.executable, "-I", "-S", launcher, str(ruleset.fd), lc_arg, found, *argv]
+    return landlock_exec.spawn_confined(ruleset.fd, lambda: popen(found))
 
 
 @functools.cache

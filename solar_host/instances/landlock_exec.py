@@ -1,96 +1,108 @@
-"""Apply a Landlock ruleset, then become the backend.
+"""Start a backend under a Landlock ruleset, from a thread that restricts itself first.
 
-Run as `python -I -S landlock_exec.py FD LC_CTYPE PATH ARGV...`. The host builds the ruleset
-(confinement.Ruleset) and hands its descriptor down; this program restricts itself with it and
-execs PATH with ARGV (ARGV[0] as the backend was given it). The restriction holds across exec,
-for the backend and everything it starts.
+Landlock, no_new_privs and the capability sets belong to a thread, not to the process, and a
+child inherits those of the thread that cloned it. So the host starts a short-lived thread,
+restricts that thread alone (no_new_privs, landlock_restrict_self, and for root the
+capabilities that step around the ruleset), spawns the backend from it and lets it end. The
+restriction holds across exec, for the backend and everything it starts; the host's other
+threads never had it.
 
-LC_CTYPE is the value the backend's environment had for it ("=value"), or "" for none. Python
-started in the C locale sets LC_CTYPE=C.UTF-8 in its own environment (PEP 538), and -I ignores
-PYTHONCOERCECLOCALE: without putting the host's value back, a confined backend would run in
-another locale than the same backend unconfined.
-
-Why a program and not subprocess's preexec_fn: a preexec_fn forces subprocess from vfork onto
-fork(), which copies the page tables of the whole host while it holds the GIL (94 ms a spawn for
-a 1.5 GB process, against 0.26 ms), so 200 starts at once stalled the event loop. This runs in
-the child instead, in an isolated interpreter (-I -S: no site, nothing imported but _ctypes).
-Standard library only: it is run by path, not imported.
+Before, the backend was started through this file run as a program (`python -I -S`, which
+restricted itself and exec'd the backend): a second interpreter's start-up, 19 ms of every
+start. A preexec_fn would do it in the child without one, but forces subprocess from vfork onto
+fork(), which copies the page tables of the whole host while it holds the GIL (94 ms a spawn
+for a 1.5 GB process, against 0.26 ms), so 200 starts at once stalled the event loop. The
+thread keeps vfork, and the backend gets exactly the environment it was given (the launcher's
+interpreter had to put back the LC_CTYPE that PEP 538 changed).
 """
 
-import _ctypes
+from __future__ import annotations
+
+import ctypes
 import os
-import sys
+import subprocess
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from solar_host.platform.libc import libc as c_library
 
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAPBSET_DROP = 24
 _SYS_LANDLOCK_RESTRICT_SELF = 446
-EXIT_NOT_CONFINED = 126
 # Capabilities that would let a backend of a host run as root step around the ruleset: read
 # another process's memory and environment (SYS_PTRACE: Landlock lets it trace the host), open
 # files by handle (DAC_READ_SEARCH), make device nodes or do raw I/O (MKNOD, SYS_RAWIO), mount,
 # load modules or BPF programs, bypass the LSMs (SYS_ADMIN, SYS_MODULE, BPF, PERFMON,
 # MAC_*), reboot. Dropped from the bounding set before exec, so root's backend never has them.
 _DROP_CAPS = (2, 16, 17, 19, 21, 22, 27, 32, 33, 38, 39)
+_CAP_VERSION_3 = 0x20080522
 
 
-# The two libc calls, through the C module under ctypes: importing ctypes itself costs 4 ms of
-# every start (struct, endianness, the type zoo), _ctypes 0.7 ms.
-class _Int(_ctypes._SimpleCData):
-    _type_ = "i"
+class NotConfined(OSError):
+    """The thread could not be restricted: nothing was spawned."""
 
 
-class _LibcCall(_ctypes.CFuncPtr):
-    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-    _restype_ = _Int
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
 
-class _Libc:
-    _handle = _ctypes.dlopen(None, 0)  # the program's own symbols, libc among them
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
 
-def _clear_inheritable() -> None:
-    """Empty the inheritable set (and with it the ambient one), which exec would otherwise
-    carry past the bounding set. Usually empty already; some container runtimes fill it."""
-    caps = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("CapInh:", "CapPrm:", "CapEff:")):
-                name, value = line.split(":")
-                caps[name] = int(value, 16)
-    if not caps.get("CapInh"):
+def _clear_inheritable(libc: ctypes.CDLL) -> None:
+    """Empty this thread's inheritable set (and with it the ambient one), which exec would
+    otherwise carry past the bounding set. Usually empty already; some container runtimes
+    fill it."""
+    header = _CapHeader(_CAP_VERSION_3, 0)  # pid 0: the calling thread
+    data = (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
         return
-    import struct  # only here: most starts never need it
-
-    header = struct.pack("=Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    low, high = 0xFFFFFFFF, 32
-    eff, prm = caps.get("CapEff", 0), caps.get("CapPrm", 0)
-    data = struct.pack("=6I", eff & low, prm & low, 0, eff >> high, prm >> high, 0)
-    _LibcCall(("capset", _Libc))(header, data)
+    if not (data[0].inheritable or data[1].inheritable):
+        return
+    data[0].inheritable = data[1].inheritable = 0
+    libc.capset(ctypes.byref(header), data)
 
 
-def main(args: list[str]) -> int:
-    fd, lc_ctype, path, argv = int(args[0]), args[1], args[2], args[3:]
-    env = dict(os.environ)
-    if lc_ctype.startswith("="):
-        env["LC_CTYPE"] = lc_ctype[1:]
-    else:
-        env.pop("LC_CTYPE", None)
-    prctl, syscall = _LibcCall(("prctl", _Libc)), _LibcCall(("syscall", _Libc))
+def _restrict_this_thread(ruleset_fd: int) -> None:
+    libc = c_library()
     if (
-        prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
-        or syscall(_SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0
+        libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        or libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0) != 0
     ):
-        reason = os.strerror(_ctypes.get_errno())
-        print(f"solar-host: cannot confine the backend: {reason}", file=sys.stderr)
-        return EXIT_NOT_CONFINED
-    os.close(fd)
+        err = ctypes.get_errno()
+        raise NotConfined(err, f"cannot confine the backend: {os.strerror(err)}")
     if os.geteuid() == 0:
         for cap in _DROP_CAPS:  # EINVAL for one this kernel does not know: nothing to drop
-            prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
-        _clear_inheritable()
-    os.execve(path, argv, env)  # raises only if the program vanished since the host looked
-    return 127
+            libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+        _clear_inheritable(libc)
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def spawn_confined(
+    ruleset_fd: int, popen: Callable[[], subprocess.Popen[Any]]
+) -> subprocess.Popen[Any]:
+    """`popen()` (a subprocess.Popen without preexec_fn) called from a new thread restricted by
+    the ruleset: the child it spawns is confined from its first instruction. Blocking (a
+    thread's start and join, the spawn). Raises NotConfined, or what `popen` raised."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            _restrict_this_thread(ruleset_fd)
+            outcome.append(popen())
+        except BaseException as err:  # handed to the caller's thread
+            outcome.append(err)
+
+    # Never reused: its restriction cannot be lifted, and it ends with the spawn.
+    thread = threading.Thread(target=run, name="confined-spawn", daemon=True)
+    thread.start()
+    thread.join()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -95,20 +95,24 @@ def spawn(
             # by path, through the process's own descriptor links.
             policy = dataclasses.replace(policy, writable_files=(str(log_path),))
         ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
-        command, keep = list(argv), ()
-        if ruleset is not None:
-            command, keep = confinement.confined_command(argv, env, ruleset), (ruleset.fd,)
-        popen = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=fd,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-            close_fds=True,
-            pass_fds=keep,
-            cwd=cwd,
-        )
+
+        def start(program: str | None = None) -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                list(argv),
+                executable=program,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+                close_fds=True,
+                cwd=cwd,
+            )
+
+        if ruleset is None:
+            popen = start()
+        else:
+            popen = confinement.confined_popen(argv, env, ruleset, start)
     finally:
         os.close(fd)
         if ruleset is not None:
