@@ -91,6 +91,15 @@ class InstanceCrashed(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class BackendEnded(Event):
+    """A flight record was made: a backend ended unasked or a start attempt failed."""
+
+    topic: ClassVar[str] = "backend_ended"
+    instance_id: str
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceStartFinished(Event):
     topic: ClassVar[str] = "instance_start_finished"
     instance_id: str

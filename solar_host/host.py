@@ -263,6 +263,9 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         ),
     )
     resources.loading = manager.capacity.holds
+    # A flight record's peak memory: what the sampler saw of the backend's tree.
+    sampler = host.services["memory"]
+    manager.ctx.peak_memory = lambda iid: (sampler.view(iid) or {}).get("peak_bytes")
     # The store answers "which files are in use" and "where did a pull put this source".
     store.in_use = manager.models_in_use
     manager.manifest_lookup = store.lookup_dir

@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from solar_host.estimates.accounting import instance_memory
+from solar_host.instances import flight
 from solar_host.instances.errors import InstanceError, InstanceNotFound, StartFailed
 from solar_host.instances.schemas import Instance, InstanceCreate, InstanceResponse, InstanceUpdate
 
@@ -150,6 +151,19 @@ async def instance_logs(
         return JSONResponse(await _svc(request).logs(instance_id, limit))
     except InstanceError as err:
         return error_response(err)
+
+
+@router.get("/{instance_id}/flight-records")
+async def instance_flight_records(request: Request, instance_id: str) -> Response:
+    """Why its backend ended unasked or a start attempt failed, oldest first (the newest 50),
+    kept after the instance is deleted, as its logs are."""
+    svc = _svc(request)
+    records = await asyncio.to_thread(flight.read, svc.settings.log_dir, instance_id)
+    if records is None:
+        if instance_id not in svc.supervisors:
+            return error_response(InstanceNotFound(instance_id))
+        records = []
+    return JSONResponse({"instance_id": instance_id, "records": records})
 
 
 @router.get("/{instance_id}/state")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from solar_host.estimates.hooks import end_start, hold_adopted
-from solar_host.instances import ownership
+from solar_host.instances import flight, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.health import AttemptFailed
@@ -470,10 +470,12 @@ async def await_adopted_ready(
             and sup.stored.want_running
             and not sup.deleted
         )
+        spawned = flight.parse_time(rec.spawned_at)
+        led = await flight.attempt_failed(sup, err, None, spawned)  # the attempt of a host before
         sup.set_status(
             S.FAILED,
             reason="start_failed",
-            error_message=err.reason,
+            error_message=led,
             pid=None,
             port=None,
             started_at=None,

@@ -48,3 +48,5 @@ class SupervisorContext:
     # None for a manager built without one, as some tests do).
     inotify: InotifyHub | None = None
     capacity: CapacityGate | None = None
+    # instance id -> the peak memory (bytes) the sampler saw of its backend's tree, or None.
+    peak_memory: Callable[[str], int | None] | None = None

@@ -14,7 +14,7 @@ import logging
 import time
 
 from solar_host.events import InstanceCrashed
-from solar_host.instances import health
+from solar_host.instances import flight, health
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, StartFailed
 from solar_host.instances.httpcheck import probe_address
@@ -40,6 +40,8 @@ async def crashed(sup: Supervising, proc: procs.BackendProcess) -> None:
         return  # an intentional stop owns this exit
     code = proc.exit_code()
     sup.counters["crashes"] += 1
+    # What the flight record keeps of its life, read before the lease and record go.
+    life = flight.Life.of(sup)
     # Workers that outlived it (in its group, or setsid'd) hold GPU memory and the port.
     await procs.end_tree_leftovers(proc)
     await sup.release()
@@ -50,16 +52,23 @@ async def crashed(sup: Supervising, proc: procs.BackendProcess) -> None:
     )
     if sup.ended_why is not None:
         reason, sup.ended_why = sup.ended_why, None
-    await record_crash(sup, proc, reason, code)
+        life.host_killed = True
+    await record_crash(sup, proc, reason, code, life)
 
 
 async def record_crash(
-    sup: Supervising, proc: procs.BackendProcess, reason: str, code: int | None
+    sup: Supervising,
+    proc: procs.BackendProcess,
+    reason: str,
+    code: int | None,
+    life: flight.Life | None = None,
 ) -> None:
-    """Say the backend crashed (`reason`, with what of it could not be ended), and restart
-    it under the crash policy."""
+    """Say the backend crashed (`reason`, with what of it could not be ended, led by its
+    cause), keep its flight record, and restart it under the crash policy."""
     if proc.left_behind:
         reason += "; " + "; ".join(proc.left_behind)
+    life = life or flight.Life.of(sup)
+    reason = await flight.record(sup, phase="running", reason=reason, exit_code=code, life=life)
     log.error("backend of %s (%s) crashed: %s", sup.id, sup.instance.config.alias, reason)
     sup.set_status(
         S.FAILED, reason="crashed", error_message=reason, pid=None, port=None, started_at=None
@@ -145,6 +154,8 @@ def watch(sup: Supervising, proc: procs.BackendProcess) -> None:
     sup.ended_why = None
     lease = sup.lease
     assert lease is not None and lease.proc is proc
+    # The kernel's OOM kills so far, to tell one of this backend's from an older one.
+    lease.oom_kills_at_start = flight.oom_kill_count()
     lease.watch_task = asyncio.create_task(watch_exit(sup, proc), name=f"watch:{sup.id}")
     backend = sup.backend()
     address = probe_address(sup.instance.config.host)

@@ -58,6 +58,8 @@ class Lease:
         self.proc = proc
         self.port = port
         self._ports = ports
+        # The cgroup's oom_kill counter when it began serving (crashes.watch; flight.py).
+        self.oom_kills_at_start: int | None = None
         self.follower: LogFollower | None = None
         self.watch_task: asyncio.Task[None] | None = None  # its exit (a crash)
         self.metrics_task: asyncio.Task[None] | None = None

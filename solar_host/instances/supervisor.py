@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from solar_host.backends.base import Backend, LaunchError, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start
-from solar_host.events import InstanceStartFinished, InstanceStartTimed, LogLine
-from solar_host.instances import adoption, crashes, health, launch, ownership
+from solar_host.events import InstanceStartFinished, InstanceStartTimed
+from solar_host.instances import adoption, crashes, flight, health, launch, ownership
 from solar_host.instances import process as procs
 from solar_host.instances.errors import (
     InstanceConflict,
@@ -30,7 +30,7 @@ from solar_host.instances.errors import (
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import probe_address
 from solar_host.instances.lease import Lease, LineSink
-from solar_host.instances.logs import LogFollower, LogRing, append_line, new_log_path
+from solar_host.instances.logs import LogFollower, LogRing, new_log_path
 from solar_host.instances.restarts import CrashLoop, RestartPolicy
 from solar_host.instances.states import InstanceStatus, check_transition
 from solar_host.instances.store import StoredInstance
@@ -73,6 +73,7 @@ class Supervisor:
         self._restart_start: asyncio.Task[Any] | None = None
         # Set by detach(): an interrupted start leaves its backend to the next host process.
         self._detaching = False
+        self.attempt_spawned_at: datetime | None = None  # for a failed attempt's flight record
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -284,6 +285,7 @@ class Supervisor:
         """Record a failed attempt, with what comes next; True after the pause before the next
         attempt, False when this start ends here."""
         log.warning("start attempt %d of %s failed: %s", attempt + 1, self.id, err.reason)
+        led = await flight.attempt_failed(self, err, attempt + 1, self.attempt_spawned_at)
         # What failed now often clears in a moment (a port or GPU memory that the crashed
         # process still held): pause before the next attempt, doubling.
         pause = self.crashes.policy.attempt_pause(attempt, deadline - time.monotonic())
@@ -293,7 +295,7 @@ class Supervisor:
         self.set_status(
             S.FAILED,
             reason="start_failed",
-            error_message=err.reason + (due if again else ""),
+            error_message=led + (due if again else ""),
             retry_count=attempt + 1,
             pid=None,
             port=None,
@@ -350,9 +352,17 @@ class Supervisor:
         self.ctx.idle_logs.busy(self.id)
         config = self.instance.config
         backend = self.backend()
-        port = await launch.reserve_port(
-            self.ctx.ports, config, self.stored.last_port, self.ctx.ports_kept_by_others(self.id)
-        )
+        self.attempt_spawned_at = None
+        try:
+            port = await launch.reserve_port(
+                self.ctx.ports,
+                config,
+                self.stored.last_port,
+                self.ctx.ports_kept_by_others(self.id),
+            )
+        except InstanceConflict as err:  # not retried: said in its flight record, then 409
+            await flight.refused(self, err.detail, attempt + 1)
+            raise
         if self.stored.last_port != port:
             self.stored.last_port = port  # saved with the process record, before the spawn
         facts = self.ctx.facts()
@@ -381,7 +391,7 @@ class Supervisor:
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
             self.ctx.ports.release(port)
             self.after_stop_hook()
-            await self._log_unspawned(str(err))
+            await flight.log_unspawned(self, str(err))
             raise AttemptFailed(str(err), None, retryable=False) from None
         for w in spec.warnings:
             log.warning("%s: %s", config.alias, w)
@@ -405,8 +415,9 @@ class Supervisor:
             proc = await launch.spawn(spec, env, log_path, settings)
         except AttemptFailed as err:
             self.ctx.ports.release(port)
-            await self._log_unspawned(err.reason)
+            await flight.log_unspawned(self, err.reason)
             raise
+        self.attempt_spawned_at = datetime.now(UTC)
         self.lease = Lease(proc, port, self.ctx.ports)
         proc.port = port
         self.stored.process = launch.process_record(
@@ -418,21 +429,6 @@ class Supervisor:
             seq_base=self.ring.next_seq,
         )
         await self._until_ready(proc, backend, config, port, timeout, spawned_at, log_path)
-
-    async def _log_unspawned(self, reason: str) -> None:
-        """A start that failed before any backend process existed says why in the instance's
-        own log (its ring, the bus, and a log file of its own), where control and the
-        operator look (GET .../logs, the start's log_tail): it was only in the host's log."""
-        line = f"solar-host: the backend was not started: {reason}"
-        ts = datetime.now(UTC).isoformat()
-        for e in self.ring.append_many([self.redactor()(line)], ts):
-            self.ctx.bus.publish(LogLine(self.id, e.seq, ts, e.line))
-        settings = self.ctx.settings
-        path = new_log_path(settings.log_dir, alias_safe(self.instance.config.alias), self.id)
-        try:
-            await asyncio.to_thread(append_line, path, line)
-        except OSError as err:
-            log.warning("cannot write %s: %s", path, err.strerror or err)
 
     async def _until_ready(
         self,

@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from solar_host import __version__
-from solar_host.events import InstancesChanged, InstanceStartTimed, LogLine, PullProgress
+from solar_host.events import (
+    BackendEnded,
+    InstancesChanged,
+    InstanceStartTimed,
+    LogLine,
+    PullProgress,
+)
+from solar_host.instances.causes import CAUSES
 from solar_host.instances.states import InstanceStatus
 from solar_host.metrics.families import PREFIX, Family, write_families
 
@@ -93,6 +100,8 @@ class HostMetrics:
         self._prom_lock = threading.Lock()
 
         self.log_lines: dict[str, int] = {}
+        # Flight records by cause since the host started (every cause shown, from 0).
+        self.backend_ends: dict[str, int] = dict.fromkeys(CAUSES, 0)
         self.pulls: dict[str, int] = {"completed": 0, "failed": 0}
         self.pull_bytes = 0
         # source_uri -> the latest progress payload of a pull still running
@@ -105,6 +114,7 @@ class HostMetrics:
             bus.subscribe(self._on_start_timed, InstanceStartTimed),
             bus.subscribe(self._on_pull, PullProgress),
             bus.subscribe(self._on_instances_changed, InstancesChanged),
+            bus.subscribe(self._on_backend_ended, BackendEnded),
         ]
 
     def _prometheus(self) -> tuple[Any, Any, Any]:
@@ -185,6 +195,9 @@ class HostMetrics:
             self.pulls_in_flight.pop(uri, None)
         else:
             self.pulls_in_flight[uri] = payload
+
+    def _on_backend_ended(self, event: Any) -> None:
+        self.backend_ends[event.cause] = self.backend_ends.get(event.cause, 0) + 1
 
     def _on_instances_changed(self, event: Any) -> None:
         if event.status is None:  # deleted: its series go with it
@@ -277,6 +290,16 @@ class HostMetrics:
         for _, fam in counters:
             yield fam
         yield lines
+        ends = Family(
+            f"{PREFIX}_backend_ends",
+            "counter",
+            "Flight records by cause: backends that ended unasked (a crash, a liveness kill) and "
+            "failed start attempts, since the host started.",
+            ("cause",),
+        )
+        for cause, count in sorted(self.backend_ends.items()):
+            ends.add((cause,), count)
+        yield ends
 
     def _pull_families(self, host: MetricsSource) -> Iterator[Family]:
         pulls = Family(
