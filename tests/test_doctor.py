@@ -189,9 +189,10 @@ def test_code_hard_linked_into_a_cache_fails_the_check(
     assert doctor.check_confinement(settings, abi=7).ok  # a pip install: one name per file
     code = tmp_path / "pkg" / "solar_host"
     (code / "instances").mkdir(parents=True)
+    (code / "settings").mkdir()
     cache = tmp_path / "cache"
     cache.mkdir()
-    for name in ("__init__.py", "main.py", "settings.py", "instances/confinement.py"):
+    for name in ("__init__.py", "main.py", "settings/schema.py", "instances/confinement.py"):
         (code / name).write_text("")
     os.link(code / "main.py", cache / "main.py")  # as uv's cache holds it
     monkeypatch.setattr("solar_host.__file__", str(code / "__init__.py"))

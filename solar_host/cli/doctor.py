@@ -262,7 +262,7 @@ def hard_linked_code() -> tuple[str, int] | None:
     import solar_host
 
     package = Path(solar_host.__file__).parent
-    for name in ("__init__.py", "main.py", "settings.py", "instances/confinement.py"):
+    for name in ("__init__.py", "main.py", "settings/schema.py", "instances/confinement.py"):
         path = package / name
         try:
             names = path.stat().st_nlink
