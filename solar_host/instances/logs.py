@@ -9,23 +9,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import glob
+import errno
 import itertools
 import logging
 import os
-import struct
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-from solar_host.platform.libc import libc as c_library
-from solar_host.platform.log_limits import Rotation, cut_marker, generation_path, rotate_appended
+# Files and inotify have modules of their own; what callers import from here still works.
+from solar_host.instances.inotify import InotifyHub as InotifyHub
+from solar_host.instances.log_files import append_line as append_line
+from solar_host.instances.log_files import count_lines as count_lines
+from solar_host.instances.log_files import file_mtime_iso as file_mtime_iso
+from solar_host.instances.log_files import files_of as files_of
+from solar_host.instances.log_files import log_file_name as log_file_name
+from solar_host.instances.log_files import new_log_path as new_log_path
+from solar_host.instances.log_files import prune_log_files as prune_log_files
+from solar_host.instances.log_files import tail_lines as tail_lines
+from solar_host.platform.log_limits import (
+    Rotation,
+    collapse_range,
+    copy_out,
+    cut_marker,
+    generation_path,
+    read_tail_and_truncate,
+    rotate_appended,
+)
 
 log = logging.getLogger(__name__)
+
+_NO_COLLAPSE = (errno.EOPNOTSUPP, errno.ENOSYS)
 
 # Default cut of one line (LOG_LINE_MAX_BYTES): a runaway line cannot eat memory.
 MAX_LINE_BYTES = 16 * 1024
@@ -37,9 +54,17 @@ ROTATE_CHASE_MIN_BYTES = 16 * 1024 * 1024
 # What a stop (or a failed start) still reads of a backlog the follower never caught up with,
 # on the event loop: the newest part of it; the rest is skipped with a line saying so.
 FLUSH_MAX_BYTES = 4 * 1024 * 1024
-# The unread part of a log the follower tolerates before it skips (or LOG_FILE_MAX_BYTES,
-# when larger): a short burst is read whole.
+# Where the follower cannot cut the file (it may not write to it), the unread part it
+# tolerates before it skips (or LOG_FILE_MAX_BYTES, when larger); the file then grows.
 BACKLOG_MIN_BYTES = 64 * 1024 * 1024
+# The least a log file may hold before the follower cuts what it has not read, where
+# LOG_FILE_MAX_BYTES is smaller: a writer the host keeps up with writes this much between two
+# looks (20 ms of hot polling, a busy loop's pause) and must not lose it.
+CUT_FLOOR_BYTES = 4 * 1024 * 1024
+# After a cut, how long the follower looks at the file every FLOOD_POLL_S instead of
+# pausing HOT_POLL_S (at 1 GiB/s a backend writes 20 MB in one such pause).
+FLOOD_HOLD_S = 0.5
+FLOOD_POLL_S = 0.001
 SKIPPED_LINE = "[log: {n} bytes skipped: the backend wrote faster than the host can follow]"
 
 
@@ -134,86 +159,6 @@ class IdleLogBuffers:
         return len(self._rings)
 
 
-# --- inotify ---------------------------------------------------------------------------------
-
-_IN_MODIFY = 0x00000002
-_IN_CLOSE_WRITE = 0x00000008
-_IN_NONBLOCK = os.O_NONBLOCK
-_IN_CLOEXEC = os.O_CLOEXEC
-_EVENT = struct.Struct("iIII")
-
-
-class InotifyHub:
-    """One inotify descriptor for every followed file, dispatching by watch descriptor."""
-
-    def __init__(self) -> None:
-        self._fd = -1
-        self._libc: ctypes.CDLL | None = None
-        self._callbacks: dict[int, Callable[[], None]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _ensure(self) -> bool:
-        if self._fd >= 0:
-            return True
-        try:
-            libc = c_library()
-            fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
-        except (OSError, AttributeError):
-            return False
-        if fd < 0:
-            return False
-        self._libc, self._fd = libc, fd
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(fd, self._drain)
-        return True
-
-    def available(self) -> bool:
-        return self._ensure()
-
-    def watch(self, path: Path, callback: Callable[[], None]) -> int | None:
-        if not self._ensure():
-            return None
-        assert self._libc is not None
-        wd = self._libc.inotify_add_watch(self._fd, os.fsencode(path), _IN_MODIFY | _IN_CLOSE_WRITE)
-        if wd < 0:
-            return None
-        self._callbacks[wd] = callback
-        return wd
-
-    def unwatch(self, wd: int | None) -> None:
-        if wd is None or self._fd < 0 or self._libc is None:
-            return
-        self._callbacks.pop(wd, None)
-        self._libc.inotify_rm_watch(self._fd, wd)
-
-    def _drain(self) -> None:
-        try:
-            data = os.read(self._fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            return
-        woken = set()
-        offset = 0
-        while offset + _EVENT.size <= len(data):
-            wd, _mask, _cookie, length = _EVENT.unpack_from(data, offset)
-            offset += _EVENT.size + length
-            woken.add(wd)
-        for wd in woken:
-            cb = self._callbacks.get(wd)
-            if cb is not None:
-                cb()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            if self._loop is not None:
-                with contextlib.suppress(Exception):
-                    self._loop.remove_reader(self._fd)
-            os.close(self._fd)
-            self._fd = -1
-            self._callbacks.clear()
-
-
 class LogFollower:
     """Reads new bytes of a log file as they are written and hands complete lines on."""
 
@@ -248,11 +193,19 @@ class LogFollower:
         self._partial = b""
         self._skipping = False  # inside a cut line: drop bytes up to its newline
         self._fd = -1
+        self._can_cut = False  # the file is open read-write: cut_flood can truncate it
+        self._can_collapse = True  # until the filesystem says it cannot
+        # A cut by collapse in flight (a thread), and the range [a, b) it removes.
+        self._collapsing: asyncio.Future[None] | None = None
+        self._collapse_span = (0, 0)
+        self._flood_rotation: int | None = None  # the rotation in flight copies this much out
+        self._flood_until = 0.0  # monotonic: looked at every FLOOD_POLL_S until then
         self._wd: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.lines_read = 0
         self.skipped_bytes = 0
+        self.cuts = 0
         self.first_line_at: float | None = None
         self._stopped = False
         # Off while a backend starts (its ready line should be seen at once); the supervisor
@@ -260,9 +213,20 @@ class LogFollower:
         self.hot_polling = False
 
     def start(self) -> None:
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = self._open()
         self._arm()
         self._task = asyncio.create_task(self._run(), name=f"follow:{self.path.name}")
+
+    def _open(self) -> int:
+        """Read-write where the file has a bound, so that cut_flood can truncate it;
+        read-only otherwise, or where the host may not write the file (then only what was
+        read is rotated away: the file outgrows its bound under a flood)."""
+        if self.max_file_bytes:
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                self._can_cut = True
+                return fd
+        return os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
 
     def _arm(self) -> None:
         if self.hub is not None and self._wd is None:
@@ -286,11 +250,7 @@ class LogFollower:
             got = 0
             # One chunk at a time, yielding between chunks, so a flood cannot hold the loop.
             while True:
-                if self.max_file_bytes:
-                    # Never more unread than a file's worth (BACKLOG_MIN_BYTES at least): the
-                    # rest is skipped (and rotated away like what was read), so the file
-                    # stays bounded however fast the backend writes.
-                    self.skip_backlog(max(self.max_file_bytes, BACKLOG_MIN_BYTES))
+                self._keep_bound()  # before each chunk is parsed
                 n = self.read_chunk()
                 got += n
                 if n < READ_CHUNK or (self.max_file_bytes and self.offset >= self.max_file_bytes):
@@ -298,6 +258,12 @@ class LogFollower:
                 await asyncio.sleep(0)
             if self.max_file_bytes and self.offset >= self.max_file_bytes:
                 await self._rotate()
+                continue
+            if self._flooding():
+                # A flood is on: looked at again at once, where a pause of HOT_POLL_S would
+                # let it write tens of MB past the bound (the watch stays off meanwhile).
+                self._disarm()
+                await asyncio.sleep(FLOOD_POLL_S)
                 continue
             if got and self.hot_polling and self.hub is not None:
                 self._disarm()
@@ -315,33 +281,70 @@ class LogFollower:
             except TimeoutError:
                 pass
 
+    def _flooding(self) -> bool:
+        return time.monotonic() < self._flood_until
+
+    def _keep_bound(self) -> None:
+        if not self.max_file_bytes:
+            return
+        if self._collapsing is not None:
+            if self._collapsing.done():
+                self._finish_collapse()
+            return
+        if self._can_cut:
+            self.cut_flood()
+        else:
+            # Never more unread than a file's worth (BACKLOG_MIN_BYTES at least): the rest is
+            # skipped (and rotated away like what was read).
+            self.skip_backlog(max(self.max_file_bytes, BACKLOG_MIN_BYTES))
+
     async def _rotate(self) -> None:
         """Copy the file out and truncate it (off the loop), then go on reading from 0."""
-        fut = asyncio.ensure_future(
-            asyncio.to_thread(
-                rotate_appended,
-                self.path,
-                self.offset,
-                self.generations,
-                max(ROTATE_CHASE_MIN_BYTES, 4 * self.max_file_bytes),
-                # All that was read, unless a skip made it more (then its newest part only).
-                self.max_file_bytes + READ_CHUNK,
+        # A flood's unread part is cut first: a collapse writes back all that follows the
+        # range it removes, the backend's writes waiting (rotations took 0.2-1 s at 1 GiB/s).
+        self._keep_bound()
+        await self._cut_done()
+        # All that was read, unless a skip made it more (then its newest part only).
+        max_copy = self.max_file_bytes + READ_CHUNK
+        if self._can_cut and not self._can_collapse and self._flooding():
+            # In a flood, where the file cannot collapse: no chase (its copy would be read
+            # first, with no cut, while the file grows): what was read is copied out, then
+            # the file is cut to nothing (_finish_rotation), its newest chunk delivered.
+            self._flood_rotation = self._line_start()
+            job = partial(copy_out, self.path, self._flood_rotation, self.generations, max_copy)
+        else:
+            self._flood_rotation = None
+            chase = max(ROTATE_CHASE_MIN_BYTES, 4 * self.max_file_bytes)
+            job = partial(
+                rotate_appended, self.path, self.offset, self.generations, chase, max_copy
             )
-        )
+        fut = asyncio.ensure_future(asyncio.to_thread(job))
         self._rotation = fut
-        await asyncio.wait([fut])  # never cancels the copy; stop() finishes it instead
+        # Never cancels the copy; stop() finishes it instead. A flood is cut meanwhile (past
+        # what is being copied): copying to a new file can wait on the kernel's writeback of
+        # dirty pages, 0.3 s was seen, while the backend writes 1 GiB/s.
+        while not fut.done():
+            flood = self._flood_rotation is not None
+            await asyncio.wait([fut], timeout=FLOOD_POLL_S if flood else None)
+            if not fut.done():
+                self.cut_flood()
         self._finish_rotation(fut)
 
     def _finish_rotation(self, fut: asyncio.Future[Rotation]) -> None:
         if self._rotation is not fut:
             return  # already applied (by stop())
         self._rotation = None
+        flood_copy, self._flood_rotation = self._flood_rotation, None
         err = fut.exception()
         if err is not None:
             log.warning("cannot rotate %s: %s", self.path.name, err)
             self.max_file_bytes = 0  # no retry loop: the file keeps growing, as before
             return
         done = fut.result()
+        if flood_copy is not None:
+            self.rotations += 1
+            self._cut(0, done.newlines)
+            return
         if done.drain_to > done.drain_from:
             # What was written after our last read is read from the rotated copy first.
             try:
@@ -370,6 +373,8 @@ class LogFollower:
         the backlog is read."""
         if self._fd < 0 or self._rotation is not None or self._drain is not None:
             return 0
+        if self._collapsing is not None:
+            return 0
         try:
             size = os.fstat(self._fd).st_size
         except OSError:
@@ -378,16 +383,139 @@ class LogFollower:
         if skip <= 0:
             return 0
         self.offset += skip
-        self._partial = b""
-        self._skipping = True  # what is left of the line the skip lands in
         self.skipped_bytes += skip
-        self.lines_read += 1
-        self.on_lines([SKIPPED_LINE.format(n=skip)])
+        self._gap(skip)
         return skip
+
+    def cut_flood(self) -> int:
+        """Keep the file within its bound by where the backend writes, not by what was read.
+
+        Rotation removes only what was read, and a backend can write faster than the host
+        parses (a stderr flood: over 1 GiB/s): the file grew by all it wrote between two
+        rotations, 0.15-1.3 GB with a 4 MiB bound. So at each look, before a chunk is parsed,
+        a file over max(LOG_FILE_MAX_BYTES, CUT_FLOOR_BYTES) plus one chunk, with more than a
+        chunk unread, loses what is unread but for its newest chunk (the last lines of a
+        flood are often what matters), unparsed, and one line says how many bytes went.
+
+        Where the filesystem can (ext4, xfs), that middle is collapsed out, in a thread: the
+        kernel does it under the lock the backend's appends take, so the count is exact and
+        nothing written meanwhile is lost (and the backend waits, 10-30 ms, while it runs).
+        Elsewhere (tmpfs) the file is truncated back to the start of the line being read,
+        the newest chunk read just before: what the backend appends between that read and
+        the truncate (up to the ~4 ms a truncate may wait for the lock) is lost unsaid.
+
+        So the file is within that bound whenever the follower looks, which it does between
+        chunks while data flows; in between it grows by what the backend writes meanwhile.
+        Returns the bytes dropped (to be dropped, for a collapse in flight)."""
+        if not self._can_cut or self._drain is not None or self._collapsing is not None:
+            return 0
+        if self._rotation is not None and self._flood_rotation is None:
+            return 0  # a collapse or a copy-truncate counts on the file as it found it
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return 0
+        if size <= max(self.max_file_bytes, CUT_FLOOR_BYTES) + READ_CHUNK:
+            return 0
+        if size - self.offset <= READ_CHUNK:
+            return 0  # read up to its bound: the rotation is due, and removes what was read
+        if self._can_collapse and self._rotation is None:
+            block = os.fstat(self._fd).st_blksize or 4096
+            start = -(-self.offset // block) * block
+            end = (size - READ_CHUNK) // block * block
+            if end > start:
+                self._collapse_span = (start, end)
+                self._collapsing = asyncio.ensure_future(
+                    asyncio.to_thread(collapse_range, self._fd, start, end - start)
+                )
+                self._flood_until = time.monotonic() + FLOOD_HOLD_S
+                return end - start
+        cut_to = self._line_start()
+        if self._flood_rotation is not None:
+            cut_to = max(cut_to, self._flood_rotation)  # being copied out: kept till then
+        return self._cut(cut_to)
+
+    async def _cut_done(self) -> None:
+        fut = self._collapsing
+        if fut is not None:
+            await asyncio.wait([fut])
+            if self._collapsing is fut:  # not already applied (by stop())
+                self._finish_collapse()
+
+    def _finish_collapse(self) -> None:
+        """A collapse removed [a, b) unread: what was unread before `a` is delivered, the
+        line it ends in is dropped, and one line says how many bytes went. Exact: the kernel
+        moved what the backend wrote meanwhile down, under the lock its writes take."""
+        fut, self._collapsing = self._collapsing, None
+        if fut is None:
+            return
+        start, end = self._collapse_span
+        err = fut.exception()
+        if err is not None:
+            # EOPNOTSUPP (tmpfs, or not an extent-mapped file), or any other refusal: the
+            # next look cuts by truncating, and so does every later one.
+            self._can_collapse = False
+            if not isinstance(err, OSError) or err.errno not in _NO_COLLAPSE:
+                log.warning("cannot collapse %s: %s", self.path.name, err)
+            return
+        try:
+            before_gap = os.pread(self._fd, start - self.offset, self.offset)
+        except OSError:
+            before_gap = b""
+        self._deliver(before_gap)
+        self.offset = start
+        dropped = end - start + len(self._partial)
+        self.cuts += 1
+        self.skipped_bytes += dropped
+        self._gap(dropped)
+
+    def _line_start(self) -> int:
+        """Where in the file the line being read begins: all before it was delivered. (It may
+        have begun before a rotation moved the file's start out.)"""
+        return max(0, self.offset - len(self._partial))
+
+    def _cut(self, cut_to: int, moved: int = 0) -> int:
+        """Truncate the file at `cut_to` (the line being read begins there or after). Of what
+        is unread, the newest chunk is delivered; the rest, with the line being read, is
+        dropped and a line says how many bytes. on_rotate is told of the lines delivered that
+        the file no longer holds, and of `moved` lines copied out. Returns the bytes dropped."""
+        try:
+            size, newest = read_tail_and_truncate(self._fd, self.offset, READ_CHUNK, cut_to)
+        except OSError as err:
+            log.warning("cannot cut %s: %s", self.path.name, err)
+            self._can_cut = False
+            return 0
+        dropped = size - len(newest) - self.offset
+        self.offset = min(cut_to, size)
+        before = self.lines_read
+        if dropped > 0:
+            dropped += len(self._partial)
+            self.cuts += 1
+            self.skipped_bytes += dropped
+            self._flood_until = time.monotonic() + FLOOD_HOLD_S
+            self._gap(dropped)
+        self._deliver(newest)  # after a gap, from inside a line: dropped up to its newline
+        # What follows its last newline may be the front of a write the truncate cut short
+        # (a read does not wait for a write): dropped. The backend's next write lands at the
+        # new end and starts a line of its own.
+        self._partial = b""
+        gone = moved + self.lines_read - before
+        if gone and self.on_rotate is not None:
+            # Re-adoption numbers lines by counting those in the file: it adds these.
+            self.on_rotate(gone)
+        return dropped
+
+    def _gap(self, skipped: int) -> None:
+        """`skipped` bytes were not delivered: the line being read is dropped, and what follows
+        the gap up to its first newline (it may start inside a line); one line says so."""
+        self._partial = b""
+        self._skipping = True
+        self.lines_read += 1
+        self.on_lines([SKIPPED_LINE.format(n=skipped)])
 
     def read_chunk(self) -> int:
         """Deliver the lines of one chunk; returns the bytes read (READ_CHUNK: more may wait)."""
-        if self._fd < 0 or self._rotation is not None:
+        if self._fd < 0 or self._rotation is not None or self._collapsing is not None:
             return 0
         if self._drain is not None:
             fd, pos, end = self._drain
@@ -456,6 +584,7 @@ class LogFollower:
             # A rotation in flight finishes first: its thread truncates the file.
             await asyncio.wait([rotation])
             self._finish_rotation(rotation)
+        await self._cut_done()  # a collapse in flight too
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -476,163 +605,3 @@ class LogFollower:
         if self._drain is not None:
             os.close(self._drain[0])
             self._drain = None
-
-
-# --- files -------------------------------------------------------------------------------------
-
-
-def log_file_name(alias_safe: str, instance_id: str, ts: float | None = None) -> str:
-    return f"{alias_safe}_{instance_id}_{int(ts if ts is not None else time.time())}.log"
-
-
-def append_line(path: Path, line: str) -> None:
-    """One line the host writes into an instance's log file itself (a start that failed
-    before its backend ran). Blocking."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
-    try:
-        os.write(fd, (line + "\n").encode("utf-8", "replace"))
-    finally:
-        os.close(fd)
-
-
-def new_log_path(log_dir: Path, alias_safe: str, instance_id: str) -> Path:
-    """A log file of its own for one start attempt.
-
-    Two attempts within the same second must not share a file: a new attempt would read the
-    old process's output (its ready line included) as its own. The timestamp moves forward
-    to the next free second instead.
-    """
-    ts = int(time.time())
-    while True:
-        path = log_dir / log_file_name(alias_safe, instance_id, ts)
-        if not path.exists():
-            return path
-        ts += 1
-
-
-def files_of(log_dir: Path, instance_id: str) -> list[Path]:
-    """Log files of an instance id, newest first."""
-    pattern = f"*_{glob.escape(instance_id)}_*.log"
-    # The glob also matches another instance's file whose alias holds `_<id>_` (alias
-    # "team_b_chat" for id "b"): only `<alias>_<id>_<seconds>.log` is this id's.
-    suffix = f"_{instance_id}"
-    found = []
-    for p in log_dir.glob(pattern):
-        head, _, ts = p.name[:-4].rpartition("_")
-        if not ts.isdigit() or not head.endswith(suffix) or len(head) <= len(suffix):
-            continue
-        try:
-            found.append((p.stat().st_mtime, p))
-        except OSError:
-            continue
-    return [p for _, p in sorted(found, key=lambda t: (t[0], t[1].name), reverse=True)]
-
-
-def tail_lines(path: Path, n: int, max_line_bytes: int | None = None) -> list[str]:
-    """The last `n` lines of a file, reading backwards in 64 KiB blocks.
-
-    With `max_line_bytes`, each line is cut there (with the marker) and no more than
-    n * (max_line_bytes + 1) bytes are ever read, however long the file's lines are.
-    """
-    if n <= 0:
-        return []
-    budget = None if max_line_bytes is None else n * (max_line_bytes + 1) + 1
-    try:
-        f = open(path, "rb")
-    except OSError:
-        return []
-    with f:
-        f.seek(0, os.SEEK_END)
-        end = f.tell()
-        data = b""
-        pos = end
-        cut_short = False
-        while pos > 0 and data.count(b"\n") <= n:
-            if budget is not None and len(data) >= budget:
-                cut_short = True  # the first piece is the end of a longer line: not shown
-                break
-            step = min(65536, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    if cut_short and lines:
-        lines.pop(0)
-    out = lines[-n:]
-    if max_line_bytes is None:
-        return [ln.decode("utf-8", "replace").rstrip("\r") for ln in out]
-    marker = cut_marker(max_line_bytes)
-    return [
-        ln[:max_line_bytes].decode("utf-8", "ignore").rstrip("\r") + marker
-        if len(ln) > max_line_bytes
-        else ln.decode("utf-8", "replace").rstrip("\r")
-        for ln in out
-    ]
-
-
-def count_lines(path: Path) -> tuple[int, int]:
-    """(complete lines, byte size) of a file, read in blocks."""
-    count = 0
-    size = 0
-    try:
-        with open(path, "rb") as f:
-            while True:
-                block = f.read(1 << 20)
-                if not block:
-                    break
-                size += len(block)
-                count += block.count(b"\n")
-    except OSError:
-        return 0, 0
-    return count, size
-
-
-def file_mtime_iso(path: Path) -> str:
-    try:
-        return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat()
-    except OSError:
-        return datetime.fromtimestamp(0, UTC).isoformat()
-
-
-def prune_log_files(log_dir: Path, retention_s: float, now: float | None = None) -> int:
-    """Remove log files older than `retention_s`, keeping the newest per (alias, instance id)."""
-    now = now or time.time()
-    groups: dict[str, list[tuple[float, Path]]] = {}
-    for p in _iter_logs(log_dir):
-        stem = p.name[:-4]
-        head, _, ts = stem.rpartition("_")
-        if not head or not ts.isdigit():
-            continue
-        try:
-            mtime = p.stat().st_mtime
-        except OSError:
-            continue
-        groups.setdefault(head, []).append((mtime, p))
-    removed = 0
-    # Rotated generations (<file>.log.N) are older parts of a log: they go by age alone.
-    with contextlib.suppress(OSError):
-        for p in log_dir.iterdir():
-            name = p.name
-            if ".log." in name and name.rpartition(".")[2].isdigit():
-                with contextlib.suppress(OSError):
-                    if now - p.stat().st_mtime > retention_s:
-                        p.unlink()
-                        removed += 1
-    for entries in groups.values():
-        entries.sort(reverse=True)
-        for mtime, p in entries[1:]:
-            if now - mtime > retention_s:
-                with contextlib.suppress(OSError):
-                    p.unlink()
-                    removed += 1
-    return removed
-
-
-def _iter_logs(log_dir: Path) -> Iterator[Path]:
-    try:
-        yield from (p for p in log_dir.iterdir() if p.suffix == ".log" and p.is_file())
-    except OSError:
-        return

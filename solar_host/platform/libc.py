@@ -19,3 +19,11 @@ def libc() -> ctypes.CDLL:
     """The C library with errno kept (ctypes.get_errno after a failed call). Raises OSError
     where the program cannot be opened as a library."""
     return ctypes.CDLL(None, use_errno=True)
+
+
+@functools.cache
+def libc_holding_gil() -> ctypes.PyDLL:
+    """The same library, called without letting go of the GIL: for a few short calls in a row
+    that no other Python thread may come between (each call through libc(), like each os.*
+    call, lets go of it, and taking it back can wait a switch interval, 5 ms, or more)."""
+    return ctypes.PyDLL(None, use_errno=True)

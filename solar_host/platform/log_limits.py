@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from solar_host.platform.libc import libc
+from solar_host.platform.libc import libc, libc_holding_gil
 
 _FALLOC_FL_COLLAPSE_RANGE = 0x08
 
@@ -64,8 +65,14 @@ class Rotation(NamedTuple):
 
 
 def _collapse(fd: int, length: int) -> None:
+    collapse_range(fd, 0, length)
+
+
+def collapse_range(fd: int, start: int, length: int) -> None:
+    """Remove [start, start + length) from the file, what follows moving down (whole blocks,
+    and not up to its end). Raises OSError: EOPNOTSUPP where the filesystem cannot."""
     rc = libc().fallocate(
-        fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_longlong(0), ctypes.c_longlong(length)
+        fd, _FALLOC_FL_COLLAPSE_RANGE, ctypes.c_longlong(start), ctypes.c_longlong(length)
     )
     if rc != 0:
         err = ctypes.get_errno()
@@ -128,6 +135,67 @@ def rotate_appended(
         )
     finally:
         os.close(src)
+
+
+def copy_out(path: Path, upto: int, keep: int, max_copy: int = 0) -> Rotation:
+    """Copy the first `upto` bytes of `path` (the last `max_copy` of them at most) into a new
+    `<path>.1`, older generations shifted; the file itself is left as it is, for the caller to
+    truncate (LogFollower, in a flood: no collapse, no chase). `newlines` counts what `.1`
+    got; `removed` is 0."""
+    target = shift_generations(path, max(1, keep))
+    assert target is not None
+    src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        try:
+            start = max(0, upto - max_copy) if max_copy else 0
+            _, newlines = _copy_count(src, dst, start, upto)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    return Rotation(newlines, 0)
+
+
+def read_tail_and_truncate(
+    fd: int, read_from: int, max_read: int, cut_to: int
+) -> tuple[int, bytes]:
+    """The file's size, then its newest `max_read` bytes (none before `read_from`), then the
+    file truncated at `cut_to` (its size at most): one run of calls no other thread of this
+    process comes between, so that what another process appends meanwhile, which the
+    truncate drops unread, is only what lands within those microseconds. Raises OSError."""
+    lseek, pread, ftruncate = _gil_held_calls()
+    size = lseek(fd, 0, os.SEEK_END)
+    if size < 0:
+        _raise_errno()
+    start = max(read_from, size - max_read)
+    data = b""
+    if size > start:
+        buf = ctypes.create_string_buffer(size - start)
+        got = pread(fd, buf, size - start, start)
+        if got < 0:
+            _raise_errno()
+        data = buf.raw[:got]
+    if ftruncate(fd, min(cut_to, size)) != 0:
+        _raise_errno()
+    return size, data
+
+
+@functools.cache
+def _gil_held_calls() -> tuple[Any, Any, Any]:
+    lib = libc_holding_gil()
+    off_t, fd_t = ctypes.c_longlong, ctypes.c_int
+    lseek = ctypes.PYFUNCTYPE(off_t, fd_t, off_t, ctypes.c_int)(("lseek", lib))
+    pread = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, fd_t, ctypes.c_char_p, ctypes.c_size_t, off_t)(
+        ("pread", lib)
+    )
+    ftruncate = ctypes.PYFUNCTYPE(ctypes.c_int, fd_t, off_t)(("ftruncate", lib))
+    return lseek, pread, ftruncate
+
+
+def _raise_errno() -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err))
 
 
 class RotatingWriter:
