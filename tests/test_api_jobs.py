@@ -69,6 +69,9 @@ class Probe:
     def gpu_process_memory(self) -> dict[int, int]:
         return {}
 
+    def gpu_process_memory_by_device(self) -> dict[int, dict[int, int]]:
+        return {}
+
 
 def make_settings(tmp_path: Path, **kw: Any) -> Settings:
     base: dict[str, Any] = {

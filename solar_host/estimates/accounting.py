@@ -11,19 +11,16 @@ from typing import Any
 
 from solar_host.estimates.model import CPU, gpu_name
 from solar_host.instances import procfs
+from solar_host.resources.probes import SystemProbe
 from solar_host.resources.usage import process_tree
 
 log = logging.getLogger(__name__)
 
 
-def gpu_memory_by_device(probe: Any) -> dict[int, dict[int, int]]:
-    """GPU index -> {pid: bytes}; probes without the per-device call report GPU 0."""
+def gpu_memory_by_device(probe: SystemProbe) -> dict[int, dict[int, int]]:
+    """GPU index -> {pid: bytes} ({} when the probe cannot tell)."""
     try:
-        per_device = getattr(probe, "gpu_process_memory_by_device", None)
-        if per_device is not None:
-            return per_device()
-        summed = probe.gpu_process_memory()
-        return {0: summed} if summed else {}
+        return probe.gpu_process_memory_by_device()
     except Exception as err:
         log.debug("GPU process memory unavailable: %s", err)
         return {}

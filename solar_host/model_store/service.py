@@ -32,7 +32,7 @@ from solar_host.model_store.pull import (
 )
 from solar_host.model_store.sources import SourceError, confine, repo_base_uri, slug_for
 from solar_host.model_store.verify import MISMATCH, MISSING, verify_model
-from solar_host.resources.probes import disk_usage
+from solar_host.resources.probes import SystemProbe, disk_usage
 from solar_host.settings import Settings
 
 if TYPE_CHECKING:
@@ -101,8 +101,8 @@ class ModelStore:
         return path if path.is_dir() else None
 
     def _free_bytes(self) -> int | None:
-        probe = getattr(self.probe, "disk", None)
-        usage = probe(self.models_dir) if probe else disk_usage(self.models_dir)
+        probe: SystemProbe | None = self.probe
+        usage = probe.disk(self.models_dir) if probe is not None else disk_usage(self.models_dir)
         return None if usage is None else int(usage.available_bytes)
 
     # --- listing -----------------------------------------------------------------------------

@@ -51,6 +51,8 @@ class SystemProbe(Protocol):
 
     def gpu_process_memory(self) -> dict[int, int]: ...
 
+    def gpu_process_memory_by_device(self) -> dict[int, dict[int, int]]: ...
+
 
 def disk_usage(path: Path) -> Usage | None:
     """Usage of the filesystem holding `path` (walking up to the nearest existing parent)."""
