@@ -82,6 +82,16 @@ TABLE = [
         c.CUDA_ERROR,
     ),
     (
+        "hf server: no cuda",
+        EXITED_1,
+        1,
+        [
+            "[FATAL] Model load failed: CUDA requested but not available (device 'cuda' on a "
+            "host without CUDA)"
+        ],
+        c.CUDA_ERROR,
+    ),
+    (
         "preflight: missing",
         "model: /m/x.gguf does not exist",
         None,

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import time
@@ -20,6 +21,7 @@ import httpx
 from solar_host.backends.llamacpp import LlamaCppBackend
 from solar_host.backends.registry import BackendRegistry
 from solar_host.instances import flight
+from tests.fixtures.hf_models import TinyHFModels, tiny_hf_models  # noqa: F401 (fixture)
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import ScriptBackend, script_config
@@ -202,3 +204,38 @@ def test_records_are_bounded_per_instance(tmp_path: Path) -> None:
     assert len(flight.read(tmp_path, "a") or []) == flight.RECORDS_KEPT - 1
     # An id that is no file name stays inside LOG_DIR/flight.
     assert flight.path_of(tmp_path, "../x").parent == tmp_path / "flight"
+
+
+async def test_a_real_hf_server_on_a_damaged_model(
+    tmp_path: Path,
+    tiny_hf_models: TinyHFModels,  # noqa: F811
+) -> None:
+    """Our real HF server on a safetensors file whose header does not parse (it got past the
+    host's checks: the directory is there) and on a device this machine lacks: the causes
+    come from the backend's own last lines."""
+    import torch
+
+    bad = tmp_path / "models" / "bad"
+    shutil.copytree(tiny_hf_models.causal, bad)
+    weights = next(bad.glob("*.safetensors"))
+    weights.write_bytes((10**12).to_bytes(8, "little") + b"{not json")
+    s = host_settings(
+        tmp_path,
+        max_retries=0,
+        instance_ready_timeout_s=60.0,
+        model_roots=str(tiny_hf_models.causal.parent),
+    )
+    async with running_host(s) as h:
+        configs = {"model_unreadable": {"model_id": str(bad)}}
+        if not torch.cuda.is_available():
+            configs["cuda_error"] = {"model_id": str(tiny_hf_models.causal), "device": "cuda"}
+        for want, extra in configs.items():
+            config = {"backend_type": "huggingface_causal", "alias": f"hf:{want}", **extra}
+            r = await h.client.post("/instances", json={"config": config})
+            assert r.status_code == 200, r.text
+            iid = r.json()["instance"]["id"]
+            r = await h.client.post(f"/instances/{iid}/start")
+            assert r.status_code == 500, r.text
+            rec = (await _records(h, iid))[0]
+            assert rec["cause"] == want, rec
+            assert rec["exit_code"] not in (None, 0) and rec["log_tail"]

@@ -90,7 +90,8 @@ _LOG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
         CUDA_ERROR,
         re.compile(
             r"CUDA error|cudaError|CUDA_ERROR_|ggml_cuda_error|device-side assert|"
-            r"illegal memory access|NCCL error|no CUDA-capable device",
+            r"illegal memory access|NCCL error|no CUDA-capable device|"
+            r"CUDA requested but not available",
             re.IGNORECASE,
         ),
     ),
