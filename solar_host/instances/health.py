@@ -91,10 +91,18 @@ async def wait_ready(
 async def prove_listener(proc: procs.BackendProcess, port: int, deadline: float) -> None:
     """Ready only when the socket listening on `port` is the backend's own: a 200 from
     another program on the port (one that bound it first) proves nothing."""
+
+    def proved() -> bool:
+        if not ownership.owns_port(proc.identity, port, proc.marker):
+            return False
+        # Its sockets from now on: whoever holds one later is of its tree (process.py).
+        procs.note_listener(proc, port)
+        return True
+
+    # Checked at once (the backend answered: it listens already), then every LISTENER_CHECK_S;
+    # the proof and the note of its sockets in one trip to a worker thread, not two.
     while True:
-        if await asyncio.to_thread(ownership.owns_port, proc.identity, port, proc.marker):
-            # Its sockets from now on: whoever holds one later is of its tree (process.py).
-            await asyncio.to_thread(procs.note_listener, proc, port)
+        if await asyncio.to_thread(proved):
             return
         if not proc.alive():
             raise _exited(proc.exit_code())

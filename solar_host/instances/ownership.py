@@ -501,6 +501,11 @@ def own_sockets(identity: Identity, port: int) -> frozenset[int] | None:
     inodes = listener_inodes(port)
     if not inodes:
         return None
+    held = frozenset(i for i in inodes if procfs.holds_socket(identity.pid, {i}))
+    if held == inodes:
+        # The usual case: the backend holds them all. Its session's members are only looked
+        # for (a scan of all of /proc, 1.7 ms of every start here) when it does not.
+        return held
     holders = [identity.pid]
     with contextlib.suppress(OSError):
         holders += [m for m in session_members(os.getsid(identity.pid)) if m != identity.pid]
