@@ -8,6 +8,8 @@
   llama-server); each exits 0 and its curl calls get exactly the claimed statuses;
 * every bench script is in the performance table of docs/performance.md and every script it
   names exists;
+* every ```bash block of README.md and docs/*.md is run (an example here, or a step of the
+  five-minute path in tests/test_five_minutes.py);
 * the README stays short (the rest is in docs/), and every relative link of README.md and
   docs/*.md leads to a file that exists and, with `#anchor`, to a heading in it.
 """
@@ -139,6 +141,21 @@ def test_relative_links_lead_to_files_and_headings() -> None:
                 if anchor not in _anchors(dest.read_text(encoding="utf-8")):
                     broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == []
+
+
+def test_every_bash_block_is_run_by_a_test() -> None:
+    """A ```bash block is a command an operator will paste: each one is an example this file
+    runs, or a step of the README's five-minute path, which tests/test_five_minutes.py runs.
+    Text that is not run (a settings file, a synopsis) goes in a plain ``` block."""
+    unrun = [
+        f"{path.relative_to(ROOT)}: {body.splitlines()[0] if body.strip() else '(empty)'}"
+        for path in doc_files()
+        for lang, body in FENCE.findall(path.read_text(encoding="utf-8"))
+        if lang == "bash"
+        and not body.startswith("# example:")
+        and not (path == README and body.startswith("# five-minutes:"))
+    ]
+    assert unrun == []
 
 
 def test_python_snippets_compile() -> None:
