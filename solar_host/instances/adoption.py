@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from solar_host.estimates.hooks import end_start, hold_adopted
-from solar_host.instances import flight, ownership
+from solar_host.instances import flight, ownership, procfs
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.health import AttemptFailed
@@ -192,9 +191,8 @@ def backend_age_s(proc: procs.BackendProcess, rec: ProcessRecord) -> float:
     ident = proc.identity
     if ident.boot_id == ownership.boot_id():
         try:
-            with open("/proc/uptime", "rb") as f:
-                uptime = float(f.read().split()[0])
-            return max(uptime - ident.start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+            uptime = procfs.uptime_s()
+            return max(uptime - ident.start_ticks / procfs.clock_ticks(), 0.0)
         except (OSError, ValueError, IndexError):
             pass
     if rec.spawned_at:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from solar_host.backends.base import alias_safe
 from solar_host.events import BackendEnded, LogLine
-from solar_host.instances import causes
+from solar_host.instances import causes, procfs
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.logs import append_line, new_log_path
 from solar_host.platform.statefiles import atomic_write_bytes
@@ -81,22 +81,14 @@ def config_digest(config: dict[str, Any]) -> str:
 
 
 def cpu_flags() -> set[str] | None:
-    """This CPU's feature flags (/proc/cpuinfo), for what a SIGILL means; None elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        return None
-    return None
+    """This CPU's feature flags, for what a SIGILL means; None elsewhere."""
+    return procfs.cpu_flags()
 
 
 def _cgroup_dir() -> Path | None:
     """The host's cgroup v2 directory (its backends are spawned in it)."""
-    try:
-        text = Path("/proc/self/cgroup").read_text()
-    except OSError:
+    text = procfs.own_cgroup()
+    if text is None:
         return None
     for line in text.splitlines():
         if line.startswith("0::"):

@@ -235,3 +235,23 @@ def tcp_listeners() -> dict[int, set[int]]:
         except OSError:
             continue
     return found
+
+
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (/proc/cpuinfo); None where the kernel does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        return None
+    return None
+
+
+def own_cgroup() -> str | None:
+    """This process's /proc/self/cgroup, or None when unreadable."""
+    try:
+        return Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return None
