@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -26,24 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.fakehub import FakeHub, write_repo
 from tests.fixtures.host import host_settings, running_host
 
 MB = 1_000_000
 TOKEN = "bench-peer-token-0123456789"
 BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": "huggingface://acme/m"}
-
-
-def make_model(root: Path, size: int) -> None:
-    repo = root / "acme" / "m"
-    repo.mkdir(parents=True)
-    (repo / "config.json").write_text("{}")
-    with open(repo / "w.safetensors", "wb") as f:
-        left = size
-        while left:
-            n = min(left, 1 << 20)
-            f.write(os.urandom(n))
-            left -= n
 
 
 def hub_bytes(hub: FakeHub) -> int:
@@ -111,7 +98,7 @@ def main() -> None:
     size = args.mb * MB
     with tempfile.TemporaryDirectory(prefix="pull-peers-") as tmp:
         work = Path(tmp)
-        make_model(work / "hub", size)
+        write_repo(work / "hub", "m", size)
         hub = FakeHub(work / "hub").start()
         hub.bytes_per_s = args.hub_mbps * MB or None
         try:

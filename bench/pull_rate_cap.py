@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import sys
 import tempfile
@@ -28,22 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from solar_host.model_store.service import ModelStore
 from solar_host.settings import Settings
-from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.fakehub import FakeHub, write_repo
 
 MB = 1_000_000
 TARGET = 0.05
-
-
-def make_repo(root: Path, name: str, size: int) -> None:
-    repo = root / "acme" / name
-    repo.mkdir(parents=True)
-    (repo / "config.json").write_text("{}")
-    with open(repo / "w.safetensors", "wb") as f:
-        left = size
-        while left:
-            n = min(left, 1 << 20)
-            f.write(os.urandom(n))
-            left -= n
 
 
 async def pull(work: Path, hub: FakeHub, names: list[str], cap: int) -> float:
@@ -87,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pull-rate-cap-") as tmp:
         work = Path(tmp)
         for name in ("a", "b"):
-            make_repo(work / "hub", name, size)
+            write_repo(work / "hub", name, size)
         hub = FakeHub(work / "hub").start()
         worst = 0.0
         try:
