@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from solar_host.api.asgi_json import detail, send_json
 from solar_host.api.edge import wrap_in_edge
+from solar_host.api.hotpaths import InstantAnswers, hot_routes
 from solar_host.host import Host, StartupError, build_host
 from solar_host.platform.handover import HAND_OVER_SIGNALS
 from solar_host.platform.sdnotify import Notifier
@@ -123,6 +124,13 @@ class StagedApp:
             await _unavailable(scope, send, self.api_error)
         else:
             await self._edge(scope, receive, send)
+
+    def instant_answers(self) -> InstantAnswers:
+        """GET /health and GET /instances as the connection answers them (serve()); while a
+        router build has failed, the edge answers (/health is then a 503)."""
+        return InstantAnswers(
+            hot_routes(self.host), self.host.key, lambda: self.api_error is not None
+        )
 
     # --- the router ---------------------------------------------------------------------------
 
@@ -374,7 +382,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
             port=settings.port,
             log_config=None,
             access_log=False,
-            http=guarded_protocol(settings.http_header_timeout_s),
+            http=guarded_protocol(settings.http_header_timeout_s, instant=app.instant_answers()),
         )
         server = notifying_server(
             config, on_started=app.notify_ready, shutdown_grace_s=SHUTDOWN_GRACE_S

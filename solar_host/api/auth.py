@@ -11,7 +11,7 @@ and `GET /instances` is polled hard by solar-control.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -33,6 +33,27 @@ def keys_match(given: str | None, expected: str) -> bool:
     if not given or not expected:
         return False
     return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
+def key_in_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, str]:
+    """(the key a request gives in its headers, or None; why none was taken). The first
+    X-API-Key wins; else the last Authorization, if it says Bearer."""
+    given = None
+    bearer = None
+    for name, value in headers:
+        if name == b"x-api-key":
+            given = value.decode("latin-1")
+            break
+        if name == b"authorization":
+            bearer = value
+    why = NO_KEY
+    if given is None and bearer is not None:
+        scheme, _, token = bearer.decode("latin-1").strip().partition(" ")
+        if scheme.lower() == "bearer":
+            given = token.strip()
+        else:
+            why = NOT_BEARER
+    return given, why
 
 
 class APIKeyMiddleware:
@@ -61,21 +82,7 @@ class APIKeyMiddleware:
         if kind == "http" and (scope.get("method") == "OPTIONS" or self.public(path)):
             await self.app(scope, receive, send)
             return
-        given = None
-        bearer = None
-        for name, value in scope.get("headers") or ():
-            if name == b"x-api-key":
-                given = value.decode("latin-1")
-                break
-            if name == b"authorization":
-                bearer = value
-        why = NO_KEY
-        if given is None and bearer is not None:
-            scheme, _, token = bearer.decode("latin-1").strip().partition(" ")
-            if scheme.lower() == "bearer":
-                given = token.strip()
-            else:
-                why = NOT_BEARER
+        given, why = key_in_headers(scope.get("headers") or ())
         if given is None and kind == "websocket":
             qs = parse_qs((scope.get("query_string") or b"").decode("latin-1"))
             if qs.get("api_key"):

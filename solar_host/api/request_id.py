@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,7 +29,12 @@ def new_request_id() -> str:
 
 
 def incoming_id(scope: Scope) -> str:
-    for name, value in scope.get("headers") or ():
+    return id_in_headers(scope.get("headers") or ())
+
+
+def id_in_headers(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The caller's X-Request-ID (the first) when usable, else a new id."""
+    for name, value in headers:
         if name == HEADER:
             if _VALID.match(value):
                 return value.decode("ascii")

@@ -64,6 +64,10 @@ PRIVATE_API: dict[str, tuple[str, ...]] = {
         "pause_writing",
         "resume_writing",
         "handle_websocket_upgrade",
+        "parser",
+        "headers",
+        "flow",
+        "server_state",
     ),
     "uvicorn.protocols.http.httptools_impl.RequestResponseCycle": (
         "transport",
@@ -87,6 +91,12 @@ MAX_PIPELINED = 16
 # How long an answer may wait for a client that reads nothing before its connection is dropped.
 WRITE_STALL_S = 30.0
 
+Header = tuple[bytes, bytes]
+# An answer given by the connection itself (ConnectionGuard._answer_at_once): called with a GET's
+# raw target and headers, it returns a 200's own header lines (after uvicorn's default ones,
+# with the blank line) and its body, or None to run the app as usual.
+InstantAnswer = Callable[[bytes, list[Header]], tuple[bytes, bytes] | None]
+
 
 def guarded_protocol(
     timeout_s: float,
@@ -94,9 +104,11 @@ def guarded_protocol(
     *,
     max_pipelined: int = MAX_PIPELINED,
     write_stall_s: float = WRITE_STALL_S,
+    instant: InstantAnswer | None = None,
 ) -> Any:
     """The protocol class for uvicorn.Config(http=...): uvicorn's httptools protocol with the
-    `ConnectionGuard` over it; "auto", without the bounds, where httptools is missing."""
+    `ConnectionGuard` over it; "auto", without the bounds, where httptools is missing.
+    `instant` answers the requests it knows without the app (ConnectionGuard._answer_at_once)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
@@ -107,6 +119,7 @@ def guarded_protocol(
         "_max_pipelined": max_pipelined,
         "_write_stall_s": write_stall_s,
         "_too_large": _headers_too_large(max_header_bytes),
+        "_instant": staticmethod(instant) if instant is not None else None,
     }
     return type("GuardedProtocol", (ConnectionGuard, HttpToolsProtocol), bounds)
 
@@ -139,6 +152,19 @@ class ConnectionGuard:
     # Dropped: nothing more it sends is kept (the parser still runs over the rest of the
     # read it is in, with every callback a no-op).
     _dropped = False
+    _instant: InstantAnswer | None = None
+    # The request being parsed was answered by _answer_at_once: no cycle of uvicorn's has it.
+    _answered = False
+    # The request's target as it arrived (uvicorn keeps its own only once a request began).
+    _target = b""
+    # uvicorn's default headers (server, date: a new list each second) and their bytes.
+    _defaults_of: list[Header] | None = None
+    _defaults = b""
+    # uvicorn's, read here (PRIVATE_API).
+    parser: Any
+    headers: list[Header]
+    flow: Any
+    server_state: Any
 
     def _arm(self) -> None:
         self._header_bytes = 0
@@ -201,6 +227,8 @@ class ConnectionGuard:
     def on_message_begin(self) -> None:
         if self._dropped:
             return
+        self._answered = False
+        self._target = b""
         self._arm()
         super().on_message_begin()
 
@@ -208,6 +236,7 @@ class ConnectionGuard:
         if self._dropped:
             return
         self._count(len(url))
+        self._target += url
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -217,11 +246,11 @@ class ConnectionGuard:
         super().on_header(name, value)
 
     def on_body(self, body: bytes) -> None:
-        if not self._dropped:
+        if not (self._dropped or self._answered):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self._dropped:
+        if not (self._dropped or self._answered):
             super().on_message_complete()
 
     def on_response_complete(self) -> None:
@@ -272,10 +301,45 @@ class ConnectionGuard:
             self._drop()
             return
         self._disarm()
+        if self._instant is not None and self._answer_at_once():
+            return
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:
             cycle.transport = HeadWithBody(self.transport, self.loop)
+
+    def _answer_at_once(self) -> bool:
+        """Answer a GET that `_instant` knows here, in one write, without the app: no ASGI
+        scope, task, cycle or middleware for the two routes control polls hardest, which then
+        cost a third of the CPU they did. Only a plain keep-alive HTTP/1.1 GET, on a connection
+        with nothing else in flight and not paused for writing; anything else (and whatever
+        `_instant` declines) goes to the app as before. The answer then completes as uvicorn's
+        own do (on_response_complete: its count, its keep-alive timer, the header deadline)."""
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.pipeline:
+            return False
+        parser = self.parser
+        if (
+            parser.get_method() != b"GET"
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or parser.should_upgrade()
+            or self.flow.write_paused
+        ):
+            return False
+        assert self._instant is not None
+        answer = self._instant(self._target, self.headers)
+        if answer is None:
+            return False
+        defaults = self.server_state.default_headers
+        if defaults is not self._defaults_of:
+            self._defaults_of = defaults
+            self._defaults = b"".join(b"%s: %s\r\n" % (name, value) for name, value in defaults)
+        self._answered = True
+        head, body = answer
+        self.transport.writelines((b"HTTP/1.1 200 OK\r\n", self._defaults, head, body))
+        self.on_response_complete()
+        return True
 
     def handle_websocket_upgrade(self) -> None:
         self._disarm()
