@@ -140,6 +140,27 @@ def environment(
     return env
 
 
+def access_policy(
+    spec: LaunchSpec, env: dict[str, str], settings: Settings
+) -> confinement.AccessPolicy:
+    """What the backend may read and write (PATH lookups, links: blocking)."""
+    return confinement.access_policy(
+        roots=settings.model_root_dirs,
+        argv=spec.argv,
+        env=env,
+        private_files=spec.private_files,
+        extra_reads=settings.backend_extra_read_dirs,
+        extra_writes=[*settings.backend_extra_write_dirs, *spec.write_dirs],
+        confine_writes=settings.backend_write_confinement,
+        host_state=confinement.HostState(
+            settings.config_file,
+            settings.log_dir,
+            settings.jobs_dir,
+            settings.env_file,
+        ),
+    )
+
+
 async def spawn(
     spec: LaunchSpec, env: dict[str, str], log_path: Path, settings: Settings
 ) -> procs.BackendProcess:
@@ -154,28 +175,12 @@ async def spawn(
         # transformers tries as a directory first, an SGLang path) is then the file the
         # roots check judged, never one beside wherever the host was started (ruling 12).
         def run() -> procs.BackendProcess:
-            # What the backend may read and write is worked out here too (PATH lookups, links).
-            policy = confinement.access_policy(
-                roots=settings.model_root_dirs,
-                argv=spec.argv,
-                env=env,
-                private_files=spec.private_files,
-                extra_reads=settings.backend_extra_read_dirs,
-                extra_writes=[*settings.backend_extra_write_dirs, *spec.write_dirs],
-                confine_writes=settings.backend_write_confinement,
-                host_state=confinement.HostState(
-                    settings.config_file,
-                    settings.log_dir,
-                    settings.jobs_dir,
-                    settings.env_file,
-                ),
-            )
             return procs.spawn(
                 spec.argv,
                 env,
                 log_path,
                 settings.models_dir,
-                policy,
+                access_policy(spec, env, settings),
                 settings.backend_read_confinement,
             )
 
