@@ -26,6 +26,7 @@ from solar_host.model_store.layers import assemble
 from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
 from solar_host.model_store.pacing import RateCap, Waiting
 from solar_host.model_store.peers import Peers, peer_urls
+from solar_host.model_store.pieces import Board
 from solar_host.model_store.placement import PARTIAL, link_snapshot, place, remove_if_empty
 from solar_host.model_store.progress import ByteCounter, PullReporter
 from solar_host.model_store.pull import (
@@ -83,7 +84,10 @@ class Download:
         manifest: Manifest,
         free_bytes: Callable[[], int | None],
         rate_cap: RateCap | None = None,
+        *,
+        board: Board | None = None,
     ) -> None:
+        self.board = board  # where this host's swarms offer their pieces to peers
         self.settings = settings
         self.rate_cap = rate_cap
         self.manifest = manifest
@@ -128,6 +132,9 @@ class Download:
             drop = err.status_code in (401, 404, 507)
             await asyncio.to_thread(self._leave, partial, drop)
             raise
+        finally:
+            if self.board is not None:  # placed (peers find it in the manifest) or given up
+                self.board.forget_under(partial)
 
     async def _resolving(self, job: PullJob, planning: Coroutine[Any, Any, _Plan]) -> _Plan:
         """Await the plan, telling every caller when the source makes it wait (a 429)."""
@@ -270,7 +277,14 @@ class Download:
         urls = peer_urls(s.model_peers)
         if not urls or not s.peer_token:
             return None
-        return Peers(urls, s.peer_token, job.cancel, pace=self._pace(job), waiting=job.waiting)
+        return Peers(
+            urls,
+            s.peer_token,
+            job.cancel,
+            pace=self._pace(job),
+            waiting=job.waiting,
+            board=self.board,
+        )
 
     def _pace(self, job: PullJob) -> Callable[[int], None] | None:
         cap = self.rate_cap
@@ -305,10 +319,11 @@ class Download:
                     r.downloading(
                         counter.done,
                         speed,
-                        force=first,
+                        force=first or bool(done),  # the last one tells every byte
                         waiting=notes.reason,
                         origin=notes.origin,
                         skipped=notes.skipped,
+                        bytes_from=notes.bytes_from(),
                     )
                 first = False
                 if done:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from solar_host.model_store import swarm
 from solar_host.model_store.pacing import Waiting, send_politely
 from solar_host.model_store.peers import Peers
 from solar_host.model_store.progress import ByteCounter
@@ -258,6 +259,19 @@ class Hub:
             counter.add(f.want.size)
             return found
         final.unlink(missing_ok=True)
+        url = self._resolve_url(repo_id, commit, f.path)
+        from huggingface_hub import constants
+
+        timeout = (CONNECT_TIMEOUT_S, float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
+        if self.peers is not None and swarm.applies(self.peers, f.want):
+            # Shared piece by piece with the peers that pull it too (and those that have it).
+            def piece(start: int, end: int) -> Any:
+                return self._range(url, f, start, end, timeout)
+
+            part = local_dir / INCOMPLETE_DIR / f"{f.path}.swarm"
+            return swarm.Swarm(
+                self.peers, f.want, part, final, local_dir, counter, piece, self.pace
+            ).run()
         part = local_dir / INCOMPLETE_DIR / f"{f.path}.incomplete"
         if self.peers is not None:
             got = self.peers.fetch(f.want, part, final, counter)
@@ -265,10 +279,7 @@ class Hub:
                 return got[1]
         if self.waiting is not None:
             self.waiting.origin = "source"
-        url = self._resolve_url(repo_id, commit, f.path)
-        from huggingface_hub import constants
-
-        timeout = (CONNECT_TIMEOUT_S, float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
+        before = part.stat().st_size if part.is_file() else 0
 
         def send(headers: dict[str, str]) -> Any:
             resp = self._send("GET", url, headers=headers, timeout=timeout)
@@ -281,7 +292,33 @@ class Hub:
             )
 
         guard = LowSpeedGuard(f"The Hub's body of {f.path}", MIN_RATE_BPS, RATE_WINDOW_S)
-        return fetch_file(send, f.want, part, final, counter, self.cancel, guard, self.pace)
+        sha = fetch_file(send, f.want, part, final, counter, self.cancel, guard, self.pace)
+        if self.waiting is not None:
+            self.waiting.count("source", max(0, f.want.size - before))
+        return sha
+
+    def _range(self, url: str, f: HubFile, start: int, end: int, timeout: Any) -> Any:
+        """An open response of bytes `start`..`end` of `f` (a piece of a swarm)."""
+        resp = self._send("GET", url, headers={"Range": f"bytes={start}-{end}"}, timeout=timeout)
+        whole = resp.status_code == 200 and start == 0 and end == f.want.size - 1
+        if resp.status_code == 206 or whole:
+            got = (resp.headers.get("Content-Range") or "").removeprefix("bytes ")
+            if whole or got.split("/", 1)[0].strip() == f"{start}-{end}":
+                return resp
+            resp.close()
+            raise PullError(
+                502,
+                "model_pull_failed",
+                f"The Hub sent bytes {got or '?'} of {f.path} for {start}-{end}",
+            )
+        resp.close()
+        _refuse(resp, url)
+        raise PullError(
+            502,
+            "source_unreachable",
+            f"The Hub answered {resp.status_code} to a range of {f.path} (the pieces of a "
+            "swarm need ranges)",
+        )
 
     def _resolve_url(self, repo_id: str, commit: str, path: str) -> str:
         return f"{self.endpoint}/{repo_id}/resolve/{commit}/{quote(path)}"

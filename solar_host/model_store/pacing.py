@@ -2,7 +2,8 @@
 now" (429, 503) waited out for as long as the source asks before the request is tried again.
 
 `RateCap` is one per host (PULL_MAX_BYTES_PER_S): every download thread asks it before it reads
-more, so the cap holds for all pulls together. `send_politely` retries a request answered 429
+more, so the cap holds for all pulls together; another caps what the host sends its peers
+(PEER_MAX_UPLOAD_BYTES_PER_S). `send_politely` retries a request answered 429
 or 503 after the time its `Retry-After` (seconds or an HTTP date) or `RateLimit` header gives,
 with exponential backoff when it gives none, and puts the wait and its reason where the pull's
 progress reports it. Every wait is bounded, and a cancelled pull stops waiting at once.
@@ -43,14 +44,19 @@ class RateCap:
         self._lock = threading.Lock()
         self._free_at = clock()  # when the bytes handed out so far have been "paid for"
 
-    def take(self, n: int, cancel: CancelToken | None = None) -> None:
-        """Account `n` bytes just received; wait until the cap allows them."""
+    def reserve(self, n: int) -> float:
+        """Account `n` bytes; the seconds to wait before they may go (0: at once). For callers
+        that wait their own way (the peer routes, on the event loop)."""
         if self.bytes_per_s <= 0 or n <= 0:
-            return
+            return 0.0
         with self._lock:
             now = self._clock()
             self._free_at = max(self._free_at, now - BURST_S) + n / self.bytes_per_s
-            wait = self._free_at - now
+            return max(0.0, self._free_at - now)
+
+    def take(self, n: int, cancel: CancelToken | None = None) -> None:
+        """Account `n` bytes just received; wait until the cap allows them."""
+        wait = self.reserve(n)
         if wait > 0:
             if cancel is None:
                 time.sleep(wait)
@@ -59,15 +65,26 @@ class RateCap:
 
 
 class Waiting:
-    """What a pull is waiting for, if anything, where its bytes come from now and which peers
-    it stopped asking (written by a download thread, read by the monitor that reports
-    progress)."""
+    """What a pull is waiting for, if anything, where its bytes come from now (and came from,
+    bytes per origin) and which peers it stopped asking (written by download threads, read by
+    the monitor that reports progress)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.until: float | None = None  # time.time() at which the wait ends
         self.origin: str | None = None  # "source" or "peer <url>"
         self.skipped: dict[str, str] = {}  # peer -> why it is no longer asked
+        self._lock = threading.Lock()
+        self._bytes_from: dict[str, int] = {}  # "source" or "peer <url>" -> bytes fetched
+
+    def count(self, origin: str, n: int) -> None:
+        """`n` bytes of this pull came from `origin` ("source" or "peer <url>")."""
+        with self._lock:
+            self._bytes_from[origin] = self._bytes_from.get(origin, 0) + n
+
+    def bytes_from(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._bytes_from)
 
     def set(self, reason: str, seconds: float) -> None:
         self.until = time.time() + seconds

@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 
 from solar_host.model_store.manifest import Manifest, ManifestEntry
 from solar_host.model_store.pacing import Waiting
+from solar_host.model_store.pieces import Bitmap, Board, piece_count, piece_map, piece_span
 from solar_host.model_store.progress import ByteCounter
 from solar_host.model_store.pull import LowSpeedGuard, PullError
 from solar_host.model_store.sources import SourceError, confine
@@ -69,6 +70,41 @@ def find_file(manifest: Manifest, digest: str) -> Path | None:
     return None
 
 
+def piece_answer(board: Board, manifest: Manifest, digest: str) -> dict[str, Any] | None:
+    """The piece map of `digest` a peer is told: of the pull fetching it here, else every piece
+    of the checked file; None when this host has neither."""
+    found = board.answer(digest)
+    if found is not None:
+        return found
+    path = find_file(manifest, digest)
+    if path is None:
+        return None
+    size = path.stat().st_size
+    return piece_map(board.host_id, size, Bitmap.all(piece_count(size)), [])
+
+
+def piece_location(
+    board: Board, manifest: Manifest, digest: str, index: int
+) -> tuple[Path, int, int] | None:
+    """(file, offset, length) of piece `index` of `digest` when this host offers it (inside
+    MODELS_DIR); None otherwise."""
+    at = board.piece_at(digest, index)
+    if at is not None:
+        try:
+            path = confine(at[0], manifest.models_dir, what="model file")
+            if path.is_file() and path.stat().st_size >= at[1] + at[2]:
+                return path, at[1], at[2]
+        except (SourceError, OSError):
+            pass  # placed meanwhile: the manifest has it now
+    path = find_file(manifest, digest)
+    if path is None:
+        return None
+    size = path.stat().st_size
+    if not 0 <= index < piece_count(size):
+        return None
+    return (path, *piece_span(index, size))
+
+
 def snapshot(manifest: Manifest, source_uri: str) -> dict[str, Any] | None:
     """What a peer tells of its copy of `source_uri`: the revision and each checked file."""
     entry = manifest.get(source_uri)
@@ -100,9 +136,11 @@ class Peers:
         *,
         pace: Callable[[int], None] | None = None,
         waiting: Waiting | None = None,
+        board: Board | None = None,
     ) -> None:
         import requests
 
+        self.board = board  # this host's files in flight: a swarm offers its pieces there
         self.urls = [u.rstrip("/") for u in urls]
         self.token = token
         self.cancel = cancel
@@ -115,10 +153,10 @@ class Peers:
     def close(self) -> None:
         self.session.close()
 
-    def _usable(self) -> list[str]:
+    def usable(self) -> list[str]:
         return [u for u in self.urls if u not in self.skipped]
 
-    def _get(self, url: str, headers: dict[str, str] | None = None) -> Any:
+    def get(self, url: str, headers: dict[str, str] | None = None) -> Any:
         import requests
 
         h = {"Authorization": f"Bearer {self.token}", **(headers or {})}
@@ -138,11 +176,11 @@ class Peers:
     ) -> tuple[str, str] | None:
         """`want` from the first peer that has it with the right bytes: (peer, sha256 hex);
         None when none has."""
-        for peer in self._usable():
+        for peer in self.usable():
             url = f"{peer}{PREFIX}/files/{quote(want.digest, safe='')}"
 
             def send(headers: dict[str, str], url: str = url) -> Any:
-                resp = self._get(url, headers)
+                resp = self.get(url, headers)
                 if resp.status_code in (200, 206):
                     return resp
                 resp.close()
@@ -157,6 +195,8 @@ class Peers:
                 sha = fetch_file(
                     send, want, part, final, counter, self.cancel, guard, self.pace, resumes=0
                 )
+                if self.waiting is not None:
+                    self.waiting.count(f"peer {peer}", want.size - before)
                 return peer, sha
             except _Unavailable as err:
                 counter.set(done)
@@ -181,10 +221,10 @@ class Peers:
         """The first peer's record of `source_uri`: (peer, record); None when none has it."""
         import json
 
-        for peer in self._usable():
+        for peer in self.usable():
             url = f"{peer}{PREFIX}/models?source_uri={quote(source_uri, safe='')}"
             try:
-                resp = self._get(url)
+                resp = self.get(url)
             except _Unavailable as err:
                 log.info("peer %s unreachable: %s", peer, err)
                 continue

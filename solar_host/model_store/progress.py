@@ -60,6 +60,7 @@ class PullReporter:
         self.waiting: str | None = None  # why no bytes come now (a 429's Retry-After), if so
         self.origin: str | None = None  # where the bytes come from now: source, or a peer
         self.skipped: dict[str, str] = {}  # peers no longer asked, and why
+        self.bytes_from: dict[str, int] = {}  # bytes fetched per origin (source, peer <url>)
 
     def _send(self, phase: str, error: str | None = None) -> None:
         if self.terminal_sent:
@@ -77,6 +78,8 @@ class PullReporter:
             payload["waiting"] = self.waiting
         if self.origin is not None and phase == "downloading":
             payload["from"] = self.origin
+        if self.bytes_from and phase == "downloading":
+            payload["bytes_from"] = dict(self.bytes_from)
         if self.skipped:
             payload["skipped_peers"] = dict(self.skipped)
         if error is not None:
@@ -104,11 +107,13 @@ class PullReporter:
         waiting: str | None = None,
         origin: str | None = None,
         skipped: dict[str, str] | None = None,
+        bytes_from: dict[str, int] | None = None,
     ) -> None:
         """Report download progress at most every `interval_s` (unless forced, or the pull
         starts or stops waiting: that is said at once)."""
         now = self._clock()
         self.bytes_done = bytes_done
+        self.bytes_from = dict(bytes_from or {})  # goes with the next event, never forces one
         self.speed_bps = speed_bps
         skipped = skipped or {}
         # A wait starting or ending, a peer skipped, or the bytes coming from elsewhere is said

@@ -20,6 +20,7 @@ from solar_host.model_store.catalog import SLUG_RE, StoreError, local_models, re
 from solar_host.model_store.deletion import InUse, delete_model
 from solar_host.model_store.manifest import Manifest, ManifestEntry
 from solar_host.model_store.pacing import RateCap
+from solar_host.model_store.pieces import Board
 from solar_host.model_store.placement import PARTIAL, recover_replaced, replaced_path
 from solar_host.model_store.progress import ProgressCallback, PullReporter
 from solar_host.model_store.pull import (
@@ -58,6 +59,10 @@ class ModelStore:
         self._jobs: dict[str, PullJob] = {}
         # One cap for every pull of this host (PULL_MAX_BYTES_PER_S).
         self._rate_cap = RateCap(settings.pull_max_bytes_per_s)
+        # One cap for everything this host sends its peers (PEER_MAX_UPLOAD_BYTES_PER_S), and
+        # the record of the files its pulls fetch piece by piece, which peers may take from.
+        self.upload_cap = RateCap(settings.peer_max_upload_bytes_per_s)
+        self.board = Board()
         # slug -> [lock, holders and waiters]: a delete and a pull's "is the copy on disk
         # usable" check of one model take turns (see _model_turn).
         self._turns: dict[str, list[Any]] = {}
@@ -75,7 +80,9 @@ class ModelStore:
     def _download(self) -> Download:
         from solar_host.model_store.download import Download
 
-        return Download(self.settings, self.manifest, self._free_bytes, self._rate_cap)
+        return Download(
+            self.settings, self.manifest, self._free_bytes, self._rate_cap, board=self.board
+        )
 
     async def start(self) -> None:
         await asyncio.to_thread(self.manifest.ensure)

@@ -264,6 +264,12 @@ class Settings(BaseModel):
         "peers. Never the API key (ruling 26): a PEER_TOKEN equal to API_KEY serves nothing "
         "(never logged).",
     )
+    peer_max_upload_bytes_per_s: int = Field(
+        default=0,
+        ge=0,
+        description="Cap on what this host sends its peers (the /peer/v1 piece and file "
+        "bodies), all of them together, in bytes per second (0: no cap).",
+    )
 
     # --- control link ----------------------------------------------------------------------
     solar_control_url: str = Field(
