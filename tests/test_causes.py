@@ -213,3 +213,18 @@ def test_config_digest_leaves_secrets_out() -> None:
     assert config_digest(a) == config_digest(b)  # key order and the secret do not count
     assert config_digest(a) != config_digest({**a, "ctx_size": 8192})
     assert config_digest(a).startswith("sha256:") and "one" not in config_digest(a)
+
+
+def test_model_missing_only_for_a_model_field() -> None:
+    """Preflight's words for a missing model file; not any reason that says "does not exist"."""
+    for reason in (
+        "model: /m/x.gguf does not exist",
+        "model_id: /m/tiny does not exist",
+        "backend llamacpp cannot run here: x; mmproj: /m/p.gguf does not exist",
+    ):
+        assert c.classify(reason=reason, exit_code=None).kind == c.MODEL_MISSING, reason
+    for reason in (
+        "backend llamacpp cannot run here: LLAMA_SERVER_BIN /opt/llama-server does not exist",
+        "Process exited with code 1; log directory /var/x does not exist",
+    ):
+        assert c.classify(reason=reason, exit_code=1).kind != c.MODEL_MISSING, reason

@@ -239,3 +239,32 @@ async def test_a_real_hf_server_on_a_damaged_model(
             rec = (await _records(h, iid))[0]
             assert rec["cause"] == want, rec
             assert rec["exit_code"] not in (None, 0) and rec["log_tail"]
+
+
+def test_a_crash_found_at_re_adoption_has_its_spawn_time(tmp_path: Path) -> None:
+    """A running backend that stopped serving while no host ran (it exec'd a program that
+    listens nowhere): the next host adopts it and records its end as a crash, with the time it
+    was spawned (its record was gone by then; the kernel's start time says it)."""
+    from solar_host.instances import ownership
+    from tests import test_hostile_backend as hb
+    from tests.fixtures.waiting import wait_for
+
+    with hb.hostile_host(tmp_path) as h:
+        h.start()
+        with h.client() as c:
+            iid, _ = hb.create(c, h, "exec", "--exec-after", "0.5")
+            first = hb.start(c, iid)
+            wait_for(lambda: ownership.cmdline_of(first["pid"])[:1] == ["sleep"], 10, "the exec")
+        h.kill()
+        h.start()
+        with h.client() as c:
+
+            def crash_record() -> dict[str, Any] | None:
+                recs = c.get(f"/instances/{iid}/flight-records").json()["records"]
+                return next((r for r in recs if "stopped serving port" in r["message"]), None)
+
+            rec = wait_for(crash_record, 60, "the adopted crash's record")
+            assert rec["phase"] == "running" and rec["spawned_at"], rec
+            assert rec["run_seconds"] is not None and rec["run_seconds"] > 0
+            c.post(f"/instances/{iid}/stop")
+            wait_for(lambda: not hb.alive(first["pid"]), 10, "the first backend gone")

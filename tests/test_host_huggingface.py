@@ -105,6 +105,9 @@ def spawn_subprocess_host(
             "MODEL_ROOTS": str(model_root),
             "INSTANCE_READY_TIMEOUT_S": str(READY_TIMEOUT_S),
             "STOP_GRACE_S": "3",
+            # Its log is read for the markers of one request alone: no known-answer probes
+            # beside it (test_canary_real.py probes these backends).
+            "CANARY_INTERVAL_S": "0",
         }
     )
     log = tmp / "host.log"

@@ -138,6 +138,18 @@ class LaunchSpec:
     write_dirs: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class CanaryAsk:
+    """Which known-answer probe a backend answers through its real API (instances/canary.py
+    holds the probes: the prompt, the text, what is compared): `kind` is "generation",
+    "embedding" or "classification", `path` its endpoint, `extra` fields of the request body
+    only this backend takes (llama-server's `cache_prompt`)."""
+
+    kind: str
+    path: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
 class LaunchError(Exception):
     """The backend cannot be launched on this host (missing executable, wrong GPU, ...)."""
 
@@ -273,6 +285,8 @@ class Backend(Protocol):
 
     def sweep_caches(self, root: str, keep: Iterable[tuple[str, str]] = ()) -> list[Path]: ...
 
+    def canary_probe(self, config: BackendConfigBase) -> CanaryAsk | None: ...
+
 
 class BackendBase:
     """What a backend may do beyond launching, with what a backend that does none of it says.
@@ -312,6 +326,11 @@ class BackendBase:
     def sweep_caches(self, root: str, keep: Iterable[tuple[str, str]] = ()) -> list[Path]:
         """Remove leftover caches under `root` except those of (alias, instance id) in `keep`."""
         return []
+
+    def canary_probe(self, config: BackendConfigBase) -> CanaryAsk | None:
+        """The known-answer probe this backend answers for `config`; None: it has none (its
+        answers are not checked, only its health)."""
+        return None
 
 
 VISION_CAPABILITIES = ["completion", "multimodal"]

@@ -21,6 +21,7 @@ from solar_host.backends.base import (
     Availability,
     BackendBase,
     BackendConfigBase,
+    CanaryAsk,
     GenerationMetrics,
     HostFacts,
     LaunchContext,
@@ -66,6 +67,14 @@ ENDPOINTS = {
     "huggingface_classification": ["/v1/classify", "/v1/models", "/health"],
     "huggingface_embedding": ["/v1/embeddings", "/v1/models", "/health"],
     "huggingface_vision": ["/v1/chat/completions", "/v1/models", "/health"],
+}
+
+# The known-answer probes (instances/canary.py); a vision model has none yet (it would need an
+# image to be a probe of what it does).
+CANARY_PROBES = {
+    "huggingface_causal": CanaryAsk("generation", "/v1/completions"),
+    "huggingface_classification": CanaryAsk("classification", "/v1/classify"),
+    "huggingface_embedding": CanaryAsk("embedding", "/v1/embeddings"),
 }
 
 
@@ -288,6 +297,9 @@ class HuggingFaceBackend(BackendBase):
             "install the huggingface extra (pip install '.[huggingface]' in the solar-host "
             "checkout; CPU-only torch: see the README)",
         )
+
+    def canary_probe(self, config: BackendConfigBase) -> CanaryAsk | None:
+        return CANARY_PROBES.get(config.backend_type)
 
     def preflight(self, config: BackendConfigBase) -> list[str]:
         # Its model is a directory (or a Hub id, which is not a path): it must be there.

@@ -27,6 +27,7 @@ from solar_host.backends.base import (
     Availability,
     BackendBase,
     BackendConfigBase,
+    CanaryAsk,
     GenerationMetrics,
     HostFacts,
     LaunchContext,
@@ -462,6 +463,16 @@ class LlamaCppBackend(BackendBase):
 
     def usage_snapshot(self, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         return usage_snapshot(metrics)
+
+    def canary_probe(self, config: BackendConfigBase) -> CanaryAsk | None:
+        # No prompt cache: a prompt served from the cache of the previous probe is evaluated
+        # in other batches than a fresh one, and its logits may differ in the last bits.
+        model_type = _as_config(config).model_type or "llm"
+        if model_type == "llm":
+            return CanaryAsk("generation", "/v1/completions", {"cache_prompt": False})
+        if model_type == "embedding":
+            return CanaryAsk("embedding", "/v1/embeddings")
+        return None  # a reranker: no probe yet
 
     def is_available(self, facts: HostFacts) -> bool:
         return llamacpp_exec.resolve(facts.llama_server_bin).available

@@ -61,7 +61,12 @@ _REASON_RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
     (PORT_IN_USE, re.compile(r"Port \d+ is (already in use|not the backend's)"), "port taken"),
     (
         MODEL_MISSING,
-        re.compile(r"does not exist|No file matching|with no \.gguf model file"),
+        # Preflight's "<field>: <path> does not exist" of a model field only (backends/files.py):
+        # a missing executable or a log directory that does not exist is no missing model.
+        re.compile(
+            r"(?:^|; )(?:model\w*|mmproj|spec_draft_model|chat_template_file): [^;]* does not "
+            r"exist|No file matching|with no \.gguf model file"
+        ),
         "the model file is not there",
     ),
     (
@@ -73,6 +78,9 @@ _REASON_RULES: tuple[tuple[str, re.Pattern[str], str], ...] = (
         "the model file does not parse or cannot be read",
     ),
 )
+
+# canary_watch.py's reason for ending a backend.
+_CANARY = re.compile(r"answer to the known-answer probe")
 
 # The backends' own lines (llama.cpp, torch, SGLang, uvicorn), in order of precedence.
 _LOG_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -214,14 +222,13 @@ def classify(
     `host_killed`: the host itself ended it (liveness); `oom_kills`: how many OOM kills the
     instance's cgroup counted while it ran (None: unreadable); `cpu_flags`: /proc/cpuinfo's."""
     if host_killed:
-        return Cause(UNRESPONSIVE, reason)
+        # The host ended it: its known-answer probe failed (canary_watch.py), or liveness.
+        return Cause(CANARY_MISMATCH if _CANARY.search(reason) else UNRESPONSIVE, reason)
     sig = exit_signal(exit_code)
     if sig == signal.SIGILL:
         missing = missing_cpu_features(lines, cpu_flags)
         lacks = ": it lacks " + ", ".join(missing) if missing else ""
         return Cause(ILLEGAL_INSTRUCTION, f"the build needs CPU features this machine lacks{lacks}")
-    if reason.startswith(CANARY_MISMATCH):
-        return Cause(CANARY_MISMATCH, reason)
     for kind, pattern, detail in _REASON_RULES:
         if pattern.search(reason):
             return Cause(kind, detail)

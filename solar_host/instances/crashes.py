@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 
 from solar_host.events import InstanceCrashed
-from solar_host.instances import flight, health
+from solar_host.instances import canary_watch, flight, health
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, StartFailed
 from solar_host.instances.httpcheck import probe_address
@@ -68,6 +69,10 @@ async def record_crash(
     if proc.left_behind:
         reason += "; " + "; ".join(proc.left_behind)
     life = life or flight.Life.of(sup)
+    if life.spawned_at is None and proc.create_time > 0:
+        # Its record is gone already (an adopted backend that stopped serving while the host
+        # was away) or never said (an older host's): the kernel's start time says it.
+        life.spawned_at = datetime.fromtimestamp(proc.create_time, UTC)
     reason = await flight.record(sup, phase="running", reason=reason, exit_code=code, life=life)
     log.error("backend of %s (%s) crashed: %s", sup.id, sup.instance.config.alias, reason)
     sup.set_status(
@@ -171,6 +176,11 @@ def watch(sup: Supervising, proc: procs.BackendProcess) -> None:
                 telemetry=sup.telemetry,
             ),
             name=f"metrics:{sup.id}",
+        )
+    probe = canary_watch.probe_of(sup) if sup.ctx.settings.canary_interval_s > 0 else None
+    if probe is not None:
+        lease.canary_task = asyncio.create_task(
+            canary_watch.watch(sup, proc, probe), name=f"canary:{sup.id}"
         )
     if backend.health_path and sup.ctx.settings.health_check_interval_s > 0:
 

@@ -251,7 +251,7 @@ def parse_time(text: str | None) -> datetime | None:
         return None
 
 
-def _version(sup: Supervising, lines: list[str]) -> str | None:
+def version_of(sup: Supervising, lines: list[str]) -> str | None:
     """The build the log printed, else what names the backend's build on this host (blocking:
     it may stat llama-server's executable)."""
     found = causes.backend_version(lines)
@@ -287,7 +287,7 @@ async def record(
             peak_memory_bytes=life.peak_memory_bytes,
             spawned_at=life.spawned_at,
         )
-        rec.backend_version = rec.backend_version or _version(sup, lines)
+        rec.backend_version = rec.backend_version or version_of(sup, lines)
         try:
             append(sup.ctx.settings.log_dir, rec)
         except OSError as err:

@@ -64,6 +64,7 @@ class Lease:
         self.watch_task: asyncio.Task[None] | None = None  # its exit (a crash)
         self.metrics_task: asyncio.Task[None] | None = None
         self.liveness_task: asyncio.Task[None] | None = None
+        self.canary_task: asyncio.Task[None] | None = None  # its known-answer probes
 
     def follow_log(
         self,
@@ -89,8 +90,8 @@ class Lease:
         self.follower.start()
 
     def cancel_watchers(self) -> None:
-        """Stop polling it (metrics, liveness); its exit is still watched."""
-        for task in (self.metrics_task, self.liveness_task):
+        """Stop polling it (metrics, liveness, canary); its exit is still watched."""
+        for task in (self.metrics_task, self.liveness_task, self.canary_task):
             if task is not None and not task.done():
                 task.cancel()
 

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import to_json
 
+from solar_host.instances.canary import Fingerprint
 from solar_host.instances.schemas import ConfigError, Instance, parse_config
 from solar_host.platform.statefiles import (
     PRIVATE,
@@ -82,6 +83,9 @@ class StoredInstance(Tracked):
     # The port its backend last served on (ruling 24): taken again whenever it is free, and
     # never handed to another instance while this one exists. Absent in older records.
     last_port: int | None = None
+    # The known answer of its backend (canary.py), with what it was taken for. Absent in
+    # older records and until a probe is answered.
+    canary: Fingerprint | None = None
 
 
 @dataclass
@@ -245,6 +249,7 @@ class InstanceStore:
                 last_port = entry.get("last_port") if isinstance(entry, dict) else None
                 if type(last_port) is int and 0 < last_port < 65536:
                     stored.last_port = last_port  # only a preference: anything else is none
+                stored.canary = _fingerprint(entry)
                 if stored.instance.id in seen:
                     raise ValueError(f"duplicate instance id {stored.instance.id!r}")
             except (ConfigError, ValidationError, ValueError, TypeError, KeyError) as err:
@@ -420,6 +425,18 @@ _INSTANCES_MARKER = b'\n  "instances": [\n    0\n  ]'
 
 def _dumps(doc: Any) -> bytes:
     return to_json(doc, indent=2, by_alias=False, ensure_ascii=True)
+
+
+def _fingerprint(entry: Any) -> Fingerprint | None:
+    """The entry's known answer (canary.py); one that does not parse is none (a new one is
+    taken at the next probe), never a reason to quarantine the instance."""
+    raw = entry.get("canary") if isinstance(entry, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return Fingerprint.model_validate(raw)
+    except ValidationError:
+        return None
 
 
 def _entry_chunk(item: Any) -> bytes:

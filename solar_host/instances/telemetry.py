@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -21,10 +22,15 @@ class Telemetry:
         self.bus = bus
         self.state = RuntimeState()
         self.state_at = iso_now()
+        # When the state last changed (monotonic): the canary probes only a backend idle a while.
+        self.state_changed = time.monotonic()
         self.state_seq = 0
         self.state_events: deque[dict[str, Any]] = deque(maxlen=state_buffer)
         self.generations: deque[dict[str, Any]] = deque(maxlen=RECENT_GENERATIONS)
         self.parser: LogParser | None = None
+        # Until when (monotonic) the next finished generation is the host's own (a canary
+        # probe), not a user's: it is not kept. 0: none expected.
+        self.own_until = 0.0
         self.usage: dict[str, Any] | None = None
 
     def reset(self, parser: LogParser | None) -> None:
@@ -68,7 +74,23 @@ class Telemetry:
         if result.state is not None:
             self._set_state(result.state)
 
+    def own_request(self, until: float) -> None:
+        """The host's own request (a canary probe) runs, alone (the backend was idle): the
+        first generation to finish before `until` (monotonic) is its own, and a user's last
+        generation must not be replaced by it."""
+        self.own_until = until
+
+    def own_request_answered(self, grace_s: float) -> None:
+        """Its answer came: its log lines may follow for up to `grace_s`."""
+        if self.own_until:
+            self.own_until = time.monotonic() + grace_s
+
     def _add_generation(self, g: GenerationMetrics) -> None:
+        if self.own_until:
+            own = time.monotonic() <= self.own_until
+            self.own_until = 0.0
+            if own:
+                return
         record = g.as_dict()
         record["finished_at"] = record.get("finished_at") or iso_now()
         record["instance_id"] = self.instance_id
@@ -78,6 +100,7 @@ class Telemetry:
     def _set_state(self, state: RuntimeState) -> None:
         self.state = state
         self.state_at = iso_now()
+        self.state_changed = time.monotonic()
         data = self.snapshot()
         self.state_events.append(
             {

@@ -65,6 +65,7 @@ INSTANCE_COUNTERS = {
     "start_failures": "Starts that failed after all attempts.",
     "restarts": "Restarts after a crash.",
     "crashes": "Unexpected exits of a running backend.",
+    "canary_probes": "Known-answer probes its backend answered right (the first records it).",
 }
 
 

@@ -141,6 +141,18 @@ class Settings(BaseModel):
         description="A running backend whose health endpoint has not answered for this long, "
         "using next to no CPU meanwhile, is ended and handled as a crash.",
     )
+    canary_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Seconds between known-answer probes of an idle running backend (the first "
+        "when it is ready; 0: none). A wrong answer is handled as a crash (canary_mismatch).",
+    )
+    canary_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A known-answer probe not answered within this many seconds is a failure "
+        "(an engine that hangs while its health endpoint answers).",
+    )
     boot_start_concurrency: int = Field(
         default=4, ge=1, description="How many instances are started at once at boot."
     )
