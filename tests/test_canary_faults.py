@@ -179,3 +179,52 @@ async def test_a_restart_compares_and_a_changed_model_takes_it_afresh(tmp_path: 
         await asyncio.sleep(3 * INTERVAL_S)
         assert stored(s.config_file, iid)["canary"] == second
         await h.client.post(f"/instances/{iid}/stop")
+
+
+async def test_a_re_adopted_backend_is_judged_against_its_fingerprint(tmp_path: Path) -> None:
+    """The host goes away leaving its backends serving; the next one re-adopts them and probes
+    each at once against the fingerprint in config.json: the one whose answers stayed right
+    keeps serving, the one that went wrong while no host watched is caught."""
+    s = host_settings(
+        tmp_path, canary_interval_s=60.0, canary_timeout_s=1.5, keep_backends_on_shutdown=True
+    )
+    reg = BackendRegistry([CanaryScript()])
+    configs = {
+        "steady": scripted(tmp_path, "c:steady", "generation", [GOOD]),
+        "drifted": scripted(tmp_path, "c:drifted", "generation", [GOOD, "zz9 qq9 xx9"]),
+    }
+    ids: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    async with running_host(s, backends=reg) as h:
+        for name, config in configs.items():
+            r = await h.client.post("/instances", json={"config": config, "managed_by": "intent"})
+            ids[name] = r.json()["instance"]["id"]
+            r = await h.client.post(f"/instances/{ids[name]}/start")
+            assert r.status_code == 200, r.text
+            pids[name] = r.json()["instance"]["pid"]
+        for name, iid in ids.items():
+
+            async def taken(i: str = iid) -> bool:
+                return bool(stored(s.config_file, i).get("canary"))
+
+            await wait_until(taken, 20, f"the fingerprint of {name}")
+        first = {n: stored(s.config_file, i)["canary"] for n, i in ids.items()}
+    async with running_host(s, backends=reg) as h:
+
+        async def caught() -> dict[str, Any] | None:
+            recs = (await h.client.get(f"/instances/{ids['drifted']}/flight-records")).json()
+            return recs["records"][0] if recs["records"] else None
+
+        rec = await wait_until(caught, 30, "the drifted backend caught at re-adoption")
+        assert rec["cause"] == "canary_mismatch" and "zz9 qq9 xx9" in rec["message"], rec
+        steady = (await h.client.get(f"/instances/{ids['steady']}")).json()
+        assert steady["status"] == "running" and steady["pid"] == pids["steady"], steady
+
+        async def compared() -> bool:
+            metrics = (await h.client.get("/metrics")).text
+            return f'canary_probes_total{{instance_id="{ids["steady"]}"}} 1' in metrics
+
+        await wait_until(compared, 20, "the re-adopted steady backend's probe")
+        assert stored(s.config_file, ids["steady"])["canary"] == first["steady"]
+        for iid in ids.values():
+            await h.client.post(f"/instances/{iid}/stop")

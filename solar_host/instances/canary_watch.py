@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from solar_host.instances import canary, causes, flight
+from solar_host.instances import canary, flight
 from solar_host.instances import process as procs
 from solar_host.instances.httpcheck import http_post_json, probe_address
 from solar_host.instances.states import InstanceStatus
@@ -75,12 +75,10 @@ def model_files(paths: list[str], models_dir: Path) -> list[tuple[str, int, int]
 def identity_of(sup: Supervising, probe: canary.Probe) -> str:
     """What a fingerprint of this backend holds for (canary.identity). Blocking."""
     config = sup.instance.config
-    version = None
-    for line in reversed([e.line for e in sup.ring.entries]):  # the newest build printed
-        version = causes.backend_version([line])
-        if version:
-            break
-    version = version or flight.version_of(sup, [])
+    # The build this host runs for the backend type (the llama-server executable's identity,
+    # else this host's version): the same at a re-adoption, whose log may no longer show the
+    # build line the first start printed.
+    version = flight.version_of(sup, [])
     files = model_files(sup.backend().model_paths(config), sup.ctx.settings.models_dir)
     return canary.identity(
         flight.config_digest(config.model_dump(mode="json")), files, version, probe
