@@ -31,12 +31,13 @@ BASELINE = {"/instances": "~900 req/s, p99 ~130 ms (c=64)"}
 TARGET = {"/instances": ">= 1800 req/s, p99 <= 50 ms (c=64)"}
 
 
-def make_instances(h: HostProc, n: int) -> None:
+def make_instances(h: HostProc, n: int, first: int = 0) -> None:
+    """`n` stopped llama.cpp instances, aliases bench-FIRST onwards."""
     model = h.tmp / "models" / "m.gguf"
     model.parent.mkdir(parents=True, exist_ok=True)
     model.write_bytes(b"GGUF")
     with h.client() as c:
-        for i in range(n):
+        for i in range(first, first + n):
             cfg = {
                 "backend_type": "llamacpp",
                 "alias": f"bench-{i}",
