@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -47,7 +47,11 @@ from solar_host.host import Host, StartupError, build_host
 from solar_host.platform.handover import HAND_OVER_SIGNALS
 from solar_host.platform.sdnotify import Notifier
 from solar_host.platform.sdnotify import cancel as cancel_task
-from solar_host.platform.uvicorn_adapter import guarded_protocol, notifying_server
+from solar_host.platform.uvicorn_adapter import (
+    guarded_protocol,
+    notifying_server,
+    websockets_on_first_upgrade,
+)
 from solar_host.settings import Settings
 
 log = logging.getLogger("solar_host")
@@ -96,7 +100,8 @@ class StagedApp:
     ) -> None:
         self.host = host
         self.notifier = notifier or Notifier()
-        # READY=1 once the lifespan has run; serve() sends it after the port is bound instead.
+        # READY=1 and the router's build once the lifespan has run; serve() has them once the
+        # server listens instead (serving()).
         self.ready_on_lifespan = True
         # How a hand-over ends this process: serve() asks uvicorn to exit; served by another
         # runner, SIGTERM (the runner's own graceful stop) does it.
@@ -225,11 +230,11 @@ class StagedApp:
             log.exception("the host could not start")
             await send({"type": "lifespan.startup.failed", "message": f"solar-host: {err!r}"})
             return
-        self.start_building()
         self._install_hand_over()
         if self.notifier.watchdog_s > 0:
             self._watchdog = asyncio.create_task(self.notifier.watchdog(), name="sd-watchdog")
         if self.ready_on_lifespan:
+            self.start_building()
             self.notify_ready()
         await send({"type": "lifespan.startup.complete"})
         message = await receive()
@@ -246,6 +251,13 @@ class StagedApp:
         await send({"type": "lifespan.shutdown.complete"})
 
     # --- systemd and the hand-over restart ------------------------------------------------------
+
+    def serving(self) -> None:
+        """The server listens (serve(): uvicorn's startup is done): build the router now. Not
+        earlier: its thread would take the interpreter from the server's own start-up, which
+        is all that stands between the lifespan and the first /health."""
+        self.start_building()
+        self.notify_ready()
 
     def notify_ready(self) -> None:
         self.notifier.ready(f"serving; {len(self.host.instances.supervisors)} instances")
@@ -302,7 +314,9 @@ def _settle_startup_garbage() -> None:
 
 def staged_app(settings: Settings, **overrides: Any) -> StagedApp:
     """The host of `settings` as a StagedApp whose router builds once the lifespan has run."""
-    host = build_host(settings, **overrides)
+    with pydantic_builds_deferred():
+        # The models of jobs, pulls, resources, backends' configs: built when first used.
+        host = build_host(settings, **overrides)
 
     def build_api() -> ASGIApp:
         without_pydantic_v1()
@@ -326,28 +340,40 @@ def without_pydantic_v1() -> None:
 
 
 def import_fastapi_deferring_openapi_models() -> None:
-    """Import FastAPI with pydantic's `defer_build` on, unless something already imported it.
+    """Import FastAPI with pydantic's `defer_build` on (pydantic_builds_deferred), unless
+    something already imported it.
 
     fastapi.openapi.models (imported by fastapi.params, so by any FastAPI) declares about 40
     pydantic models of the OpenAPI document and built every one at import: about 30 ms of CPU,
     a quarter of the router's build, for a schema only /openapi.json and /docs ever validate.
-    Deferred, each is built the first time it is used (the OpenAPI document at the first
-    /openapi.json; the few its security classes make), and behaves the same from then on.
-    pydantic has no switch for one module: its default for every model is turned on for the
-    import and off after it. A model another thread declares meanwhile is only built later.
     tests/test_router_without_pydantic_v1.py checks, in a process of its own, that the
     OpenAPI document served this way is the one an eager build serves."""
     if "fastapi" in sys.modules:
         return
+    with pydantic_builds_deferred():
+        import fastapi  # noqa: F401
+
+
+@contextlib.contextmanager
+def pydantic_builds_deferred() -> Iterator[None]:
+    """pydantic's `defer_build` on for the models declared meanwhile (the imports inside).
+
+    Deferred, a model is built the first time it validates or serializes anything, and behaves
+    the same from then on; one that nothing uses before a request is then built off the path to
+    the first answer. pydantic has no switch for one module: its default for every model is
+    turned on for the block and off after it. A model another thread declares meanwhile is only
+    built later. A pydantic that moved its defaults builds them at once, as before."""
     try:
         from pydantic._internal._config import config_defaults
-    except ImportError:  # a pydantic that moved its defaults: FastAPI builds them at import
+    except ImportError:
+        yield
         return
     if config_defaults.get("defer_build") is not False:
+        yield
         return
     config_defaults["defer_build"] = True
     try:
-        import fastapi  # noqa: F401
+        yield
     finally:
         config_defaults["defer_build"] = False
 
@@ -383,10 +409,9 @@ def serve(settings: Settings, **overrides: Any) -> int:
             log_config=None,
             access_log=False,
             http=guarded_protocol(settings.http_header_timeout_s, instant=app.instant_answers()),
+            ws=websockets_on_first_upgrade,
         )
-        server = notifying_server(
-            config, on_started=app.notify_ready, shutdown_grace_s=SHUTDOWN_GRACE_S
-        )
+        server = notifying_server(config, on_started=app.serving, shutdown_grace_s=SHUTDOWN_GRACE_S)
         logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(app))
         logging.getLogger("uvicorn.error").addFilter(_CutRequests(server))
         app.ready_on_lifespan = False

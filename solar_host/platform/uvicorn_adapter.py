@@ -4,6 +4,7 @@ fails naming the class and attribute if it does (PRIVATE_API lists them).
 
 - `guarded_protocol`: uvicorn's httptools protocol with the bounds it leaves out (below), and an
   answer's head and body in one send (HeadWithBody), for the host's API and the HF server alike.
+- `websockets_on_first_upgrade`: uvicorn's WebSocket protocol, imported when first needed.
 - `notifying_server`: the host's uvicorn.Server: READY=1 once it serves, a bounded wait for
   requests in flight at a stop, and a stop by SIGINT or SIGTERM that returns instead of
   raising the signal again (uvicorn re-raises it after a clean shutdown: Ctrl-C ended in a
@@ -394,6 +395,18 @@ def _headers_too_large(limit: int) -> bytes:
         f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
+
+
+def websockets_on_first_upgrade(**kwargs: Any) -> asyncio.Protocol:
+    """uvicorn.Config(ws=...): the protocol uvicorn's "auto" picks, imported at the first
+    WebSocket upgrade rather than by Config.load at start-up (the websockets package was 5-13
+    ms of every start, before the first /health, for connections that come later if ever).
+    uvicorn makes one per upgrade with its config, server state and app state as keywords."""
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    if AutoWebSocketsProtocol is None:
+        raise RuntimeError("no WebSocket library (websockets or wsproto) is installed")
+    return AutoWebSocketsProtocol(**kwargs)
 
 
 def notifying_server(
