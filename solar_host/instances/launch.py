@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import logging
+import os
+import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +26,7 @@ from solar_host.backends.base import (
     LaunchContext,
     LaunchSpec,
 )
-from solar_host.instances import confinement, ownership, preflight
+from solar_host.instances import confinement, landlock_exec, ownership, preflight
 from solar_host.instances import process as procs
 from solar_host.instances.backend_env import (
     backend_environment,
@@ -39,12 +43,50 @@ from solar_host.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Spawning threads at work at once (as many as asyncio.to_thread's default executor has): 200
+# starts at once do not become 200 threads computing policies against the event loop for the
+# GIL; the others wait, blocked, without it.
+_SPAWNING = threading.BoundedSemaphore(min(32, (os.cpu_count() or 1) + 4))
 
 
-async def off_loop(fn: Callable[..., T], *args: Any, undo: Callable[[T], Any]) -> T:
-    """`fn(*args)` in a worker thread. A cancelled caller cannot stop the thread, so what it
-    did (spawned a process, claimed a port) is undone by `undo(result)` once it finishes."""
-    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+def _disposable_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """`fn()` in a thread of its own that ends with it (landlock_exec.in_disposable_thread: a
+    confined spawn there restricts that thread, with no second hand-over), in a copy of the
+    caller's context as asyncio.to_thread would run it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: Any) -> None:
+        if fut.done():
+            return
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+
+    def done(outcome: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    def work() -> T:
+        with _SPAWNING:
+            return context.run(fn)
+
+    landlock_exec.in_disposable_thread(work, done)
+    return fut
+
+
+async def off_loop(
+    fn: Callable[..., T], *args: Any, undo: Callable[[T], Any], disposable: bool = False
+) -> T:
+    """`fn(*args)` in a worker thread (`disposable`: in a thread of its own that ends with it).
+    A cancelled caller cannot stop the thread, so what it did (spawned a process, claimed a
+    port) is undone by `undo(result)` once it finishes."""
+    if disposable:
+        fut = _disposable_thread(functools.partial(fn, *args))
+    else:
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -170,7 +212,8 @@ async def spawn(
         if spec.private_files:  # each written with an fsync: off the loop
             await asyncio.to_thread(write_private_files, spec.private_files)
 
-        # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds.
+        # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds. In a
+        # thread that ends with the spawn: a confined spawn restricts that thread itself.
         # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
         # transformers tries as a directory first, an SGLang path) is then the file the
         # roots check judged, never one beside wherever the host was started (ruling 12).
@@ -184,7 +227,7 @@ async def spawn(
                 settings.backend_read_confinement,
             )
 
-        return await off_loop(run, undo=_kill_unrecorded)
+        return await off_loop(run, undo=_kill_unrecorded, disposable=True)
     except confinement.ConfinementUnavailable as err:
         raise AttemptFailed(str(err), None, retryable=False) from None
     except OSError as err:
