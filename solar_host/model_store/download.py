@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -301,7 +302,7 @@ class Download:
     ) -> None:
         """Run `fetch` in a thread; report progress; abort on low disk or cancellation."""
         await asyncio.to_thread(partial.mkdir, parents=True, exist_ok=True)
-        fut = asyncio.ensure_future(asyncio.to_thread(fetch))
+        fut = _in_own_thread(fetch)
         s = self.settings
         poll = min(s.pull_disk_poll_interval_s, s.pull_progress_interval_s)
         last_t, last_b = time.monotonic(), counter.done
@@ -409,6 +410,36 @@ class Download:
                 "insufficient_storage",
                 "Insufficient disk space while unpacking the artifact.",
             )
+
+
+def _in_own_thread(fetch: Callable[[], None]) -> asyncio.Future[None]:
+    """Run `fetch` in a thread of its own. A pull holds its thread for minutes or hours: in
+    the loop's default executor (cpu count + 4 threads) a few pulls at once would leave none
+    to the routes that need one, the peer routes a swarm asks every half second included."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def settle(err: BaseException | None) -> None:
+        if fut.done():
+            return
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+
+    def run() -> None:
+        err: BaseException | None = None
+        try:
+            fetch()
+        except BaseException as e:  # handed to the loop, raised there by _outcome_of
+            err = e
+        try:
+            loop.call_soon_threadsafe(settle, err)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for the outcome
+            pass
+
+    threading.Thread(target=run, name="pull", daemon=True).start()
+    return fut
 
 
 def _outcome_of(fut: asyncio.Future[None]) -> None:

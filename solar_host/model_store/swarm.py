@@ -65,7 +65,7 @@ from solar_host.model_store.transfer import RESUME_BACKOFF_S, RESUMES, Hashes, W
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the swarm's piece maps are asked again
-WORKERS = 4  # pieces in flight at once: one from the source, the others from peers
+WORKERS = 6  # pieces in flight at once: one from the source, the others from peers
 PER_HOLDER = 2  # pieces in flight from one peer at once
 STEAL_AFTER_S = 20.0  # an owner that shows no progress this long loses its pieces to the rest
 HOLDER_BACKOFF_S = 2.0  # a peer that failed a piece is not asked again this long
