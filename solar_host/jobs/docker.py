@@ -43,6 +43,22 @@ class ContainerStartError(RuntimeError):
     """The step's container could not be created or started."""
 
 
+class DaemonLostError(ContainerStartError):
+    """The daemon that created the container stopped answering before the start was known
+    (killed, restarted): the container may even run, but nobody can say."""
+
+
+def _after_create(what: str, err: Exception) -> ContainerStartError:
+    """The error for a call on a container the daemon created: a broken connection is the
+    daemon lost, whichever call it broke (the start's answer may never arrive even though the
+    container runs and writes)."""
+    import requests
+
+    if isinstance(err, requests.exceptions.ConnectionError):
+        return DaemonLostError(f"the connection to the Docker daemon was lost: {err}")
+    return ContainerStartError(f"cannot {what} the container: {_explain(err)}")
+
+
 def distinct_name(spec: ContainerSpec) -> str:
     """`spec.name` with a digest of the job and step: unique where the plain name is taken."""
     key = f"{spec.labels.get(LABEL_JOB)}\0{spec.labels.get(LABEL_STEP)}"
@@ -198,13 +214,13 @@ class DockerJobs:
                 container_id, stdout=True, stderr=True, stream=True, logs=True, demux=True
             )
         except Exception as err:
-            raise ContainerStartError(f"cannot attach to the container: {_explain(err)}") from err
+            raise _after_create("attach to", err) from err
 
     def start(self, container_id: str) -> None:
         try:
             self.client.api.start(container_id)
         except Exception as err:
-            raise ContainerStartError(f"cannot start the container: {_explain(err)}") from err
+            raise _after_create("start", err) from err
 
     def wait(self, container_id: str) -> int:
         """Block until the container exits; its exit code (-1 when Docker gives none)."""

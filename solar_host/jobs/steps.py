@@ -24,6 +24,7 @@ from solar_host.jobs.docker import (
     LABEL_STEP,
     ContainerSpec,
     ContainerStartError,
+    DaemonLostError,
     DockerJobs,
 )
 from solar_host.jobs.schemas import GpuRequest, JobDefinition, StepDefinition, StepStatus
@@ -310,10 +311,8 @@ class StepRunner:
             try:
                 exit_code, stopped = await self._wait(docker, job, container_id, limit)
             except Exception as err:  # the daemon went away (killed, restarted) mid-step
-                if run.cancel.is_set():
-                    return self._cancelled(job_id, step.name, index, started, None)
                 lost = f"the connection to the Docker daemon was lost: {err}"
-                return fail(None, summary=lost, job_message=f"Step '{step.name}' failed: {lost}")
+                raise DaemonLostError(lost) from err
             try:
                 await asyncio.wait_for(asyncio.shield(pump), LOG_DRAIN_TIMEOUT_S)
             except TimeoutError:
@@ -330,6 +329,10 @@ class StepRunner:
                 docker, container_id, step.name, exit_code, stopped, limit
             )
             return fail(exit_code, summary=summary, job_message=message)
+        except DaemonLostError as err:
+            if run.cancel.is_set():
+                return self._cancelled(job_id, step.name, index, started, None)
+            return fail(None, summary=str(err), job_message=f"Step '{step.name}' failed: {err}")
         except ContainerStartError as err:
             return fail(
                 None,
