@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often the swarm's piece maps are asked again
 WORKERS = 6  # pieces in flight at once: one from the source, the others from peers
 PER_HOLDER = 2  # pieces in flight from one peer at once
+SAMPLE = 32  # missing pieces weighed for "rarest first" at each pick (of thousands, maybe)
 STEAL_AFTER_S = 20.0  # an owner that shows no progress this long loses its pieces to the rest
 HOLDER_BACKOFF_S = 2.0  # a peer that failed a piece is not asked again this long
 SAVE_EVERY_S = 1.0  # the piece record is written at most this often
@@ -89,13 +90,55 @@ def applies(peers: Peers | None, want: Want) -> bool:
 
 @dataclass
 class _View:
-    """One peer's piece map, as last asked."""
+    """One peer's piece map, as last asked (pieces as bits of an int: bit i, piece i)."""
 
     url: str
     host_id: str
-    offered: Bitmap
-    fetching: set[int]
+    offered: int
+    fetching: int
     changed_at: float  # when its map last changed (its progress)
+
+
+class _Swarm:
+    """The swarm as the last round of maps saw it (the lock is held to read or replace it)."""
+
+    def __init__(self, me: str, views: list[_View], n: int) -> None:
+        self.views = views
+        self.offered = 0  # pieces some peer offers
+        self.claimed = 0  # pieces some peer fetches from the source now
+        for v in views:
+            self.offered |= v.offered
+            self.claimed |= v.fetching
+        self.members = sorted({me} | {v.host_id for v in views})
+        self.by_id = {v.host_id: v for v in views}
+        self.n = n
+        self._owned: dict[str, int] = {}
+
+    def owned(self, host_id: str) -> int:
+        """The pieces `host_id` fetches from the source when nobody offers them."""
+        if host_id not in self._owned:
+            k, step = self.members.index(host_id), len(self.members)
+            bits = bytearray((self.n + 7) // 8)
+            for i in range(k, self.n, step):
+                bits[i >> 3] |= 1 << (i & 7)
+            self._owned[host_id] = int.from_bytes(bits, "little")
+        return self._owned[host_id]
+
+
+def _lowest(mask: int) -> int:
+    return (mask & -mask).bit_length() - 1
+
+
+def _sample(mask: int, n: int, k: int) -> list[int]:
+    """Up to `k` set bits of `mask`, from a random place on (wrapping)."""
+    off = random.randrange(n)
+    out: list[int] = []
+    for part, base in ((mask >> off, off), (mask & ((1 << off) - 1), 0)):
+        while part and len(out) < k:
+            low = part & -part
+            out.append(base + low.bit_length() - 1)
+            part ^= low
+    return out
 
 
 class _BadPeer(Exception):
@@ -130,7 +173,10 @@ class Swarm:
         self.cancel = peers.cancel
         self.n = piece_count(want.size)
         self.record = Record(part.with_name(part.name + ".pieces"), want.digest, want.size)
-        self.have = Bitmap(self.n)
+        self.full = (1 << self.n) - 1
+        self.have = 0  # pieces written here (bit i: piece i)
+        self.inflight_mask = 0
+        self.swarm = _Swarm(self.me, [], self.n)
         self.cond = threading.Condition()
         self.stop = threading.Event()
         self.views: dict[str, _View] = {}
@@ -164,7 +210,7 @@ class Swarm:
             offered = Bitmap(self.n)
             for i, origin in enumerate(self.record.origins):
                 if origin is not None:
-                    self.have.set(i)
+                    self.have |= 1 << i
                     self.counter.add(piece_span(i, self.want.size)[1])
                     if origin == SOURCE:
                         offered.set(i)
@@ -201,7 +247,7 @@ class Swarm:
             t.start()
         try:
             with self.cond:
-                while not (self.have.full() or self.error or self.cancel.is_set()):
+                while not (self.have == self.full or self.error or self.cancel.is_set()):
                     self.cond.wait(1.0)
         finally:
             self._wake()
@@ -244,14 +290,15 @@ class Swarm:
                         if view is None or view.host_id == self.me:
                             self.views.pop(url, None)
                             continue
-                        if old is not None and (old.offered.bits, old.fetching) == (
-                            view.offered.bits,
+                        if old is not None and (old.offered, old.fetching) == (
+                            view.offered,
                             view.fetching,
                         ):
                             view.changed_at = old.changed_at
                         self.views[url] = view
                     for url in [u for u in self.views if u not in urls]:
                         del self.views[url]  # skipped meanwhile
+                    self._summarize()
                     self.polls += 1
                     self.cond.notify_all()
                 self.stop.wait(POLL_S)
@@ -290,9 +337,17 @@ class Swarm:
             raise ValueError("host_id")
         if not isinstance(fetching, list) or len(fetching) > 1024:
             raise ValueError("fetching")
-        claims = {i for i in fetching if isinstance(i, int) and 0 <= i < self.n}
-        offered = Bitmap.decode(str(m["have"]), self.n)
+        claims = 0
+        for i in fetching:
+            if isinstance(i, int) and 0 <= i < self.n:
+                claims |= 1 << i
+        offered = int.from_bytes(Bitmap.decode(str(m["have"]), self.n).bits, "little")
         return _View(url, host_id, offered, claims, time.monotonic())
+
+    def _summarize(self) -> None:
+        """The swarm of the views of the peers still asked (the lock is held)."""
+        live = [v for v in self.views.values() if v.url not in self.peers.skipped]
+        self.swarm = _Swarm(self.me, live, self.n)
 
     # --- which piece, from whom ---------------------------------------------------------------
 
@@ -300,38 +355,32 @@ class Swarm:
         """The next piece to fetch and its origin (the lock is held); None: wait."""
         if self.polls < 2:
             return None  # learn the swarm before claiming anything from the source
-        live = [v for v in self.views.values() if v.url not in self.peers.skipped]
-        missing = [i for i in range(self.n) if not self.have.has(i) and i not in self.inflight]
+        missing = self.full & ~self.have & ~self.inflight_mask
         if not missing:
             return None
+        sw = self.swarm
         if SOURCE not in self.inflight.values() and now >= self.source_after:
-            i = self._owned(missing, live, now)
-            if i is not None:
-                return i, SOURCE
+            mine = sw.owned(self.me)
+            for v in sw.views:  # an owner that shows no progress loses its pieces
+                if now - v.changed_at > STEAL_AFTER_S:
+                    mine |= sw.owned(v.host_id)
+            cand = missing & ~sw.offered & ~sw.claimed & mine
+            if cand:
+                return _lowest(cand), SOURCE
         if sum(1 for o in self.inflight.values() if o != SOURCE) >= WORKERS - 1:
             return None  # one worker stays for the source
-        return self._from_peers(missing, live, now)
+        return self._from_peers(missing & sw.offered, now)
 
-    def _owned(self, missing: list[int], live: list[_View], now: float) -> int | None:
-        """The first missing piece this host should take from the source."""
-        members = sorted({self.me} | {v.host_id for v in live})
-        by_id = {v.host_id: v for v in live}
-        for i in missing:
-            if any(v.offered.has(i) or i in v.fetching for v in live):
-                continue
-            owner = members[i % len(members)]
-            if owner == self.me or now - by_id[owner].changed_at > STEAL_AFTER_S:
-                return i
-        return None
-
-    def _from_peers(
-        self, missing: list[int], live: list[_View], now: float
-    ) -> tuple[int, str] | None:
-        """The rarest missing piece some peer offers, and the peer least asked to give it."""
+    def _from_peers(self, cand: int, now: float) -> tuple[int, str] | None:
+        """The rarest of a sample of the missing pieces peers offer, and the peer least asked
+        to give it."""
+        if not cand:
+            return None
         busy = Counter(o for o in self.inflight.values() if o != SOURCE)
+        live = [v for v in self.swarm.views if v.url not in self.peers.skipped]
         best: tuple[tuple[int, float], int, list[_View]] | None = None
-        for i in missing:
-            holders = [v for v in live if v.offered.has(i)]
+        for i in _sample(cand, self.n, SAMPLE):
+            holders = [v for v in live if v.offered >> i & 1]
             free = [
                 v
                 for v in holders
@@ -356,13 +405,14 @@ class Swarm:
                 with self.cond:
                     task = None
                     while task is None:
-                        if self.stop.is_set() or self.error or self.have.full():
+                        if self.stop.is_set() or self.error or self.have == self.full:
                             return
                         task = self._next(time.monotonic())
                         if task is None:
                             self.cond.wait(WAIT_S)
                     i, origin = task
                     self.inflight[i] = origin
+                    self.inflight_mask |= 1 << i
                     if origin == SOURCE:
                         self.board.update(self.want.digest, fetching={i})
                 try:
@@ -433,6 +483,7 @@ class Swarm:
         now = time.monotonic()
         with self.cond:
             del self.inflight[i]
+            self.inflight_mask &= ~(1 << i)
             if origin == SOURCE:
                 self.board.update(self.want.digest, fetching=set())
                 fatal = isinstance(err, PullError) and not isinstance(err, Interrupted)
@@ -445,6 +496,7 @@ class Swarm:
                     log.warning("%s; asking the source again in %.0f s", err, wait)
             elif isinstance(err, _BadPeer):
                 self.peers.skip(origin, f"{err} ({self.want.name}, piece {i})")
+                self._summarize()
             else:
                 self.backoff[origin] = now + HOLDER_BACKOFF_S
                 log.info("piece %d of %s from peer %s failed: %s", i, self.want.name, origin, err)
@@ -455,7 +507,8 @@ class Swarm:
         _pwrite_all(self.fd, data, start)
         with self.cond:
             del self.inflight[i]
-            self.have.set(i)
+            self.inflight_mask &= ~(1 << i)
+            self.have |= 1 << i
             self.record.origins[i] = origin
             if origin == SOURCE:
                 self.source_fails = 0
@@ -480,7 +533,7 @@ class Swarm:
         with self.hash_lock:
             while self.hashed < self.n:
                 with self.cond:
-                    if not self.have.has(self.hashed):
+                    if not self.have >> self.hashed & 1:
                         return
                 start, length = piece_span(self.hashed, self.want.size)
                 self.hashes.update(os.pread(self.fd, length, start))
