@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # How often a pull that is resolving looks whether the source made it wait.
 WAIT_POLL_S = 0.2
+# Files of one Hub snapshot fetched at once (a model of many shards is not fetched one by one).
+HUB_FILES_AT_ONCE = 3
 
 
 @dataclass
@@ -238,9 +240,11 @@ class Download:
         s = self.settings
         endpoint = s.hf_endpoint or os.environ.get("HF_ENDPOINT") or None
         token = s.hf_token or await asyncio.to_thread(huggingface.stored_token)
-        peers = self._peers(job)
+        # The files are fetched a few at once; the first that fails stops the others.
+        stop = job.cancel.child()
+        peers = self._peers(job, stop)
         hub = huggingface.Hub(
-            endpoint, token, job.cancel, pace=self._pace(job), waiting=job.waiting, peers=peers
+            endpoint, token, stop, pace=self._pace(job), waiting=job.waiting, peers=peers
         )
         repo_id = (req.model_id or "").strip().strip("/")
         commit, files, listed_by = await asyncio.to_thread(
@@ -257,8 +261,11 @@ class Download:
         def fetch() -> None:
             try:
                 # Smallest first: the configs and tokenizers a resume keeps, then the weights.
-                for f in sorted(files, key=lambda f: (f.want.size, f.path)):
+                def one(f: huggingface.HubFile) -> None:
                     digests[f.path] = "sha256:" + hub.fetch(repo_id, commit, f, partial, counter)
+
+                ordered = sorted(files, key=lambda f: (f.want.size, f.path))
+                _each_at_once(ordered, one, stop, HUB_FILES_AT_ONCE)
             finally:
                 hub.close()
                 if peers is not None:
@@ -273,7 +280,7 @@ class Download:
             listed_by=listed_by,
         )
 
-    def _peers(self, job: PullJob) -> Peers | None:
+    def _peers(self, job: PullJob, cancel: CancelToken | None = None) -> Peers | None:
         s = self.settings
         urls = peer_urls(s.model_peers)
         if not urls or not s.peer_token:
@@ -281,7 +288,7 @@ class Download:
         return Peers(
             urls,
             s.peer_token,
-            job.cancel,
+            cancel or job.cancel,
             pace=self._pace(job),
             waiting=job.waiting,
             board=self.board,
@@ -410,6 +417,32 @@ class Download:
                 "insufficient_storage",
                 "Insufficient disk space while unpacking the artifact.",
             )
+
+
+def _each_at_once(
+    items: list[Any], fn: Callable[[Any], None], stop: CancelToken, limit: int
+) -> None:
+    """`fn(item)` for each item, `limit` at a time, in order of start. The first failure stops
+    the others (`stop`) and is raised once they ended; a cancel of the pull is a Cancelled."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def run(item: Any) -> None:
+        if stop.is_set():
+            raise Cancelled()
+        fn(item)
+
+    first: BaseException | None = None
+    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix="pull-file") as pool:
+        for fut in as_completed([pool.submit(run, item) for item in items]):
+            err = fut.exception()
+            if err is None:
+                continue
+            # The failure that stopped the others, not the Cancelled it caused them.
+            if first is None or (isinstance(first, Cancelled) and not isinstance(err, Cancelled)):
+                first = err
+            stop.cancel()
+    if first is not None:
+        raise first
 
 
 def _in_own_thread(fetch: Callable[[], None]) -> asyncio.Future[None]:

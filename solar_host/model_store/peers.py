@@ -149,6 +149,10 @@ class Peers:
         self.skipped: dict[str, str] = {}  # peer -> why it is no longer asked
         self.session = requests.Session()
         self.session.headers["User-Agent"] = "solar-host peer"
+        # A swarm asks every peer from a dozen threads (maps, pieces) for each file in flight.
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
 
     def close(self) -> None:
         self.session.close()

@@ -61,6 +61,7 @@ class PullReporter:
         self.origin: str | None = None  # where the bytes come from now: source, or a peer
         self.skipped: dict[str, str] = {}  # peers no longer asked, and why
         self.bytes_from: dict[str, int] = {}  # bytes fetched per origin (source, peer <url>)
+        self._origins_told: set[str] = set()
 
     def _send(self, phase: str, error: str | None = None) -> None:
         if self.terminal_sent:
@@ -116,10 +117,14 @@ class PullReporter:
         self.bytes_from = dict(bytes_from or {})  # goes with the next event, never forces one
         self.speed_bps = speed_bps
         skipped = skipped or {}
-        # A wait starting or ending, a peer skipped, or the bytes coming from elsewhere is said
-        # at once (at most once per file for the last: files are fetched one at a time).
-        force = force or (waiting, origin, skipped) != (self.waiting, self.origin, self.skipped)
+        # A wait starting or ending, a peer skipped, or bytes coming from an origin not told
+        # before is said at once (files are fetched a few at a time, and pieces of one file from
+        # several origins: a flip back to an origin already told waits for the next event).
+        new_origin = origin is not None and origin not in self._origins_told
+        force = force or new_origin or (waiting, skipped) != (self.waiting, self.skipped)
         self.waiting, self.origin, self.skipped = waiting, origin, dict(skipped)
+        if origin is not None:
+            self._origins_told.add(origin)
         if (
             not force
             and self._last_download_at is not None

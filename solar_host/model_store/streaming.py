@@ -45,6 +45,15 @@ class CancelToken:
             except Exception:
                 pass
 
+    def child(self) -> CancelToken:
+        """A token cancelled with this one, which can also be cancelled alone (the files of one
+        pull stop together when one of them fails)."""
+        token = CancelToken()
+        self.on_cancel(token.cancel)
+        if self.is_set():
+            token.cancel()
+        return token
+
     def on_cancel(self, close: Callable[[], None]) -> Callable[[], None]:
         with self._lock:
             self._closers.append(close)
