@@ -50,6 +50,7 @@ from solar_host.platform.sdnotify import cancel as cancel_task
 from solar_host.platform.uvicorn_adapter import (
     guarded_protocol,
     notifying_server,
+    uvicorn_config_class,
     websockets_on_first_upgrade,
 )
 from solar_host.settings import Settings
@@ -387,8 +388,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
     gc.disable()
     app: StagedApp | None = None
     try:
-        import uvicorn
-
+        uvicorn_config = uvicorn_config_class()
         app = staged_app(settings, **overrides)
 
         def settle_later() -> None:
@@ -402,7 +402,7 @@ def serve(settings: Settings, **overrides: Any) -> int:
         except StartupError as err:
             print(f"solar-host: {err}", file=sys.stderr, flush=True)
             return 1
-        config = uvicorn.Config(
+        config = uvicorn_config(
             app,
             host=settings.host,
             port=settings.port,

@@ -12,6 +12,8 @@ import importlib
 import inspect
 import logging
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -92,3 +94,24 @@ def test_the_server_reraises_what_capture_signals_caught() -> None:
     stop: that only works while capture_signals re-raises from that list."""
     source = inspect.getsource(uvicorn.Server.capture_signals)
     assert "self._captured_signals" in source and "raise_signal" in source
+
+
+def test_the_host_imports_uvicorn_without_its_command_line() -> None:
+    """uvicorn_config_class leaves uvicorn.main (click, the reloaders) unimported, and gives
+    uvicorn's own modules the names they import from the package."""
+    code = (
+        "import sys\n"
+        "from solar_host.platform.uvicorn_adapter import uvicorn_config_class\n"
+        "Config = uvicorn_config_class()\n"
+        "import uvicorn, uvicorn.config, uvicorn.server\n"
+        "from uvicorn.lifespan.on import LifespanOn\n"
+        "assert Config is uvicorn.config.Config is uvicorn.Config\n"
+        "assert uvicorn.Server is uvicorn.server.Server\n"
+        "assert uvicorn.__version__\n"
+        "print(sorted(m for m in ('uvicorn.main', 'click') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

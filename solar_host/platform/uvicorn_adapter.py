@@ -4,6 +4,7 @@ fails naming the class and attribute if it does (PRIVATE_API lists them).
 
 - `guarded_protocol`: uvicorn's httptools protocol with the bounds it leaves out (below), and an
   answer's head and body in one send (HeadWithBody), for the host's API and the HF server alike.
+- `uvicorn_config_class`: uvicorn.Config without uvicorn's command line.
 - `websockets_on_first_upgrade`: uvicorn's WebSocket protocol, imported when first needed.
 - `notifying_server`: the host's uvicorn.Server: READY=1 once it serves, a bounded wait for
   requests in flight at a stop, and a stop by SIGINT or SIGTERM that returns instead of
@@ -36,8 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -397,6 +400,34 @@ def _headers_too_large(limit: int) -> bytes:
     return head.encode() + body
 
 
+def uvicorn_config_class() -> Any:
+    """uvicorn.Config, imported without uvicorn's package __init__ where no one imported uvicorn
+    yet. That __init__ imports uvicorn.main, the `uvicorn` command line (click, the reloaders,
+    watchfiles, multiprocessing): about 14 ms of CPU in every host start, before the first
+    /health, for code a host never runs. The package module is made from its spec instead,
+    with the names uvicorn's own modules import from it (Config: uvicorn.lifespan) and the
+    server's; `uvicorn.run` and `uvicorn.main` are not there in such a process (the host's:
+    serve() is its only user of uvicorn; the HF server imports uvicorn as usual)."""
+    if "uvicorn" not in sys.modules:
+        spec = importlib.util.find_spec("uvicorn")
+        if spec is not None and spec.submodule_search_locations is not None:
+            package = importlib.util.module_from_spec(spec)
+            sys.modules["uvicorn"] = package
+            try:
+                from uvicorn._version import __version__
+                from uvicorn.config import Config
+                from uvicorn.server import Server
+            except BaseException:
+                del sys.modules["uvicorn"]
+                raise
+            package.__version__ = __version__  # type: ignore[attr-defined]
+            package.Config = Config  # type: ignore[attr-defined]
+            package.Server = Server  # type: ignore[attr-defined]
+    from uvicorn.config import Config
+
+    return Config
+
+
 def websockets_on_first_upgrade(**kwargs: Any) -> asyncio.Protocol:
     """uvicorn.Config(ws=...): the protocol uvicorn's "auto" picks, imported at the first
     WebSocket upgrade rather than by Config.load at start-up (the websockets package was 5-13
@@ -415,9 +446,9 @@ def notifying_server(
     """A uvicorn.Server that calls `on_started` (READY=1) once it serves, bounds the wait for
     requests in flight at a stop by `shutdown_grace_s`, and returns after a stop by signal
     (`stopped_by` names the signals) instead of raising it again."""
-    import uvicorn
+    from uvicorn.server import Server as UvicornServer
 
-    class Server(uvicorn.Server):  # type: ignore[misc]
+    class Server(UvicornServer):  # type: ignore[misc]
         cut_requests = False
         stopped_by: tuple[int, ...] = ()
 
