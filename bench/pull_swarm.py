@@ -9,7 +9,9 @@ at the same rate. Then:
 - one host, no peers, pulls the model from the Hub: the baseline;
 - `--hosts` hosts (MODEL_PEERS naming all the others) pull it at once;
 - the wall time of each (the swarm's: until the last host has the model), the ratio, the bytes
-  the Hub served (and their ratio to the model's size), and where each host's bytes came from.
+  the Hub served (and their ratio to the model's size), and where each host's bytes came from;
+- then `--hosts` - 1 new hosts join the first, which has the model, at once: were it their one
+  uploader they would take `--hosts` - 1 times as long as one host alone.
 
 The target: the swarm within 1.5x the baseline, the Hub's bytes within 1.01x the model.
 Usage: PYTHONPATH=. .venv/bin/python bench/pull_swarm.py [--mb 192] [--mbps 8] [--hosts 8]
@@ -91,13 +93,40 @@ async def run(work: Path, hub: FakeHub, size: int, rate: float, n: int) -> None:
         )
         swarm = time.perf_counter() - began
         sent = hub_bytes(hub) - before
-    print(
-        f"  {n} hosts at once (a swarm):  {swarm:7.2f} s  {n * size / swarm / MB:6.2f} MB/s in "
-        f"all   Hub bytes {sent / size:.3f}x the model (target <= 1.01x)"
-    )
-    print(f"  swarm / alone: {swarm / alone:.2f}x (target <= 1.5x)")
+        print(
+            f"  {n} hosts at once (a swarm):  {swarm:7.2f} s  {n * size / swarm / MB:6.2f} MB/s "
+            f"in all   Hub bytes {sent / size:.3f}x the model (target <= 1.01x)"
+        )
+        print(f"  swarm / alone: {swarm / alone:.2f}x (target <= 1.5x)")
+        show(hosts, times, origins)
+        # Host 0 has the model now; n - 1 new hosts join it at once.
+        joiners = [
+            await stack.enter_async_context(running_host(settings(f"j{i}"))) for i in range(1, n)
+        ]
+        for h in joiners:
+            h.host.settings.model_peers = ",".join(
+                o.url for o in [hosts[0], *joiners] if o is not h
+            )
+        before = hub_bytes(hub)
+        origins = [{} for _ in joiners]
+        began = time.perf_counter()
+        times = await asyncio.gather(
+            *(timed_pull(h, o) for h, o in zip(joiners, origins, strict=True))
+        )
+        joined = time.perf_counter() - began
+        sent = hub_bytes(hub) - before
+        print(
+            f"  {n - 1} hosts join one that has it: {joined:7.2f} s ({joined / alone:.2f}x alone; "
+            f"{n - 1:d}x alone if it were the one uploader)   Hub bytes {sent / size:.3f}x"
+        )
+        show([hosts[0], *joiners], [0.0, *times], [{}, *origins], skip_first=True)
+
+
+def show(hosts, times, origins, *, skip_first: bool = False) -> None:
     names = {h.url: f"h{i}" for i, h in enumerate(hosts)}
     for i, (t, got) in enumerate(zip(times, origins, strict=True)):
+        if skip_first and i == 0:
+            continue
         parts = ", ".join(
             f"{names.get(k.removeprefix('peer '), k)} {v / MB:.0f}"
             for k, v in sorted(got.items(), key=lambda kv: -kv[1])

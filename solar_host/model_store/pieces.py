@@ -6,10 +6,11 @@ from 0; a file is named by the digest its source publishes. `Board` is the one r
 host, of the files its pulls are fetching piece by piece: the peer routes read it to tell other
 hosts which pieces they may take (`answer`) and where to read one (`piece_at`).
 
-A host offers its peers a piece it fetched from the source itself, and every piece once the
-whole file matched the source's digest: a piece it took from another peer is not vouched for
-until then, so bytes a corrupt peer sent go one hop at most, and the host that named a corrupt
-peer named the one that sent them.
+A host offers its peers every piece it has written, as soon as it is written: a piece it took
+from another peer is passed on (marked `relayed` in its map until the whole file matched the
+source's digest), so pieces spread from every host that has them, not only from the one that
+fetched each from the source, and a host that has the whole file is not the one uploader of a
+fleet that joins later. Nothing a peer sends is trusted: the digest decides (swarm.py).
 
 `Record` is the same knowledge on disk, beside the part (`<part>.pieces`): which pieces are
 written, and where each came from, so a pull killed in the middle resumes with the pieces it
@@ -94,6 +95,11 @@ class Holding:
     partial: Path  # the pull's partial directory (what `Board.forget_under` drops)
     offered: Bitmap  # pieces peers may take (see the module's docstring)
     fetching: set[int] = field(default_factory=set)  # taken from the source right now
+    relayed: Bitmap | None = None  # offered pieces taken from peers, not checked yet
+
+    def __post_init__(self) -> None:
+        if self.relayed is None:
+            self.relayed = Bitmap(self.offered.n)
 
 
 class Board:
@@ -120,11 +126,13 @@ class Board:
             for k, v in changes.items():
                 setattr(h, k, v)
 
-    def offer(self, digest: str, index: int) -> None:
+    def offer(self, digest: str, index: int, *, relayed: bool = False) -> None:
         with self._lock:
             h = self._files.get(digest)
             if h is not None:
                 h.offered.set(index)
+                if relayed and h.relayed is not None:
+                    h.relayed.set(index)
 
     def forget_under(self, partial: Path) -> None:
         """Drop the files of the pull whose partial directory is `partial` (it ended)."""
@@ -138,7 +146,7 @@ class Board:
             h = self._files.get(digest)
             if h is None:
                 return None
-            return piece_map(self.host_id, h.size, h.offered, sorted(h.fetching))
+            return piece_map(self.host_id, h.size, h.offered, sorted(h.fetching), h.relayed)
 
     def piece_at(self, digest: str, index: int) -> tuple[Path, int, int] | None:
         """(file, offset, length) of a piece this host offers; None when it does not."""
@@ -149,8 +157,15 @@ class Board:
             return (h.path, *piece_span(index, h.size))
 
 
-def piece_map(host_id: str, size: int, offered: Bitmap, fetching: list[int]) -> dict[str, Any]:
+def piece_map(
+    host_id: str,
+    size: int,
+    offered: Bitmap,
+    fetching: list[int],
+    relayed: Bitmap | None = None,
+) -> dict[str, Any]:
     return {
+        "relayed": (relayed or Bitmap(offered.n)).encode(),
         "host_id": host_id,
         "size_bytes": size,
         "piece_bytes": PIECE_BYTES,

@@ -16,12 +16,15 @@ into pieces (pieces.py) and the hosts pulling it share them as they arrive:
   POLL_S of one another see one another before they split the work: without faults the source
   serves each piece once.
 - Pieces others offer are taken rarest first, from a holder chosen among those this host asks
-  least, at most PER_HOLDER at once each: every host uploads, none is the bottleneck.
+  least (then the one with the fewest pieces: a host with the whole file gives what only it
+  has), at most PER_HOLDER at once each. A host offers every piece it has written, as soon as
+  it is written: every host uploads, none is the bottleneck, also when one host has the file
+  and many join it.
 - Trust: a piece from a peer is never trusted. The whole file is hashed (in piece order, as
   the pieces arrive) and must match the digest the source publishes. On a mismatch, every piece
   that came from a peer is fetched again from the source and compared: a peer that sent bytes
-  that differ is named, skipped for the rest of the pull, and the file is whole from the source.
-  This host offers peers only the pieces it took from the source until the whole file matched.
+  that differ is named (as one that passed them on, when its map said the piece was relayed),
+  skipped for the rest of the pull, and the file is whole from the source.
 - Resume: pieces are written in place into a sparse part and recorded beside it with where each
   came from (pieces.Record, saved at most every SAVE_EVERY_S after an fdatasync), so a killed
   pull resumes with what it had.
@@ -97,6 +100,7 @@ class _View:
     offered: int
     fetching: int
     changed_at: float  # when its map last changed (its progress)
+    relayed: int = 0  # offered pieces it took from peers and has not checked yet
 
 
 class _Swarm:
@@ -193,6 +197,7 @@ class Swarm:
         self.saved_at = 0.0
         self.open: set[Any] = set()  # responses being read (aborted when the swarm stops)
         self.origins: set[str] = set()  # where the pieces here came from
+        self.via_relay: set[int] = set()  # pieces taken from a peer that passed them on
         self.save_lock = threading.Lock()
 
     # --- the whole file ---------------------------------------------------------------------
@@ -207,15 +212,23 @@ class Swarm:
         self.fd = os.open(self.part, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.ftruncate(self.fd, self.want.size)  # sparse: pieces land where they belong
-            offered = Bitmap(self.n)
+            offered, relayed = Bitmap(self.n), Bitmap(self.n)
             for i, origin in enumerate(self.record.origins):
                 if origin is not None:
                     self.have |= 1 << i
                     self.counter.add(piece_span(i, self.want.size)[1])
-                    if origin == SOURCE:
-                        offered.set(i)
+                    offered.set(i)
+                    if origin != SOURCE:
+                        relayed.set(i)
             self.board.hold(
-                Holding(self.want.digest, self.want.size, self.part, self.partial, offered)
+                Holding(
+                    self.want.digest,
+                    self.want.size,
+                    self.part,
+                    self.partial,
+                    offered,
+                    relayed=relayed,
+                )
             )
             self._gather()
             self._hash_forward()
@@ -231,7 +244,11 @@ class Swarm:
         os.replace(self.part, self.final)
         self.record.remove()
         self.board.update(
-            self.want.digest, path=self.final, offered=Bitmap.all(self.n), fetching=set()
+            self.want.digest,
+            path=self.final,
+            offered=Bitmap.all(self.n),
+            relayed=Bitmap(self.n),
+            fetching=set(),
         )
         return self.hashes.sha256.hexdigest()
 
@@ -342,7 +359,11 @@ class Swarm:
             if isinstance(i, int) and 0 <= i < self.n:
                 claims |= 1 << i
         offered = int.from_bytes(Bitmap.decode(str(m["have"]), self.n).bits, "little")
-        return _View(url, host_id, offered, claims, time.monotonic())
+        relayed = m.get("relayed")
+        passed = 0
+        if relayed is not None:
+            passed = int.from_bytes(Bitmap.decode(str(relayed), self.n).bits, "little")
+        return _View(url, host_id, offered, claims, time.monotonic(), passed & offered)
 
     def _summarize(self) -> None:
         """The swarm of the views of the peers still asked (the lock is held)."""
@@ -394,8 +415,15 @@ class Swarm:
         if best is None:
             return None
         _, i, free = best
-        least = min(busy[v.url] for v in free)
-        return i, random.choice([v for v in free if busy[v.url] == least]).url
+        # The least asked; then the one with the fewest pieces, so that a host that has the
+        # whole file gives what only it has, and the hosts that join it pass the rest around.
+        least = min((busy[v.url], v.offered.bit_count()) for v in free)
+        holder = random.choice([v for v in free if (busy[v.url], v.offered.bit_count()) == least])
+        if holder.relayed >> i & 1:
+            self.via_relay.add(i)
+        else:
+            self.via_relay.discard(i)
+        return i, holder.url
 
     # --- the workers ------------------------------------------------------------------------
 
@@ -513,7 +541,7 @@ class Swarm:
             if origin == SOURCE:
                 self.source_fails = 0
                 self.board.update(self.want.digest, fetching=set())
-                self.board.offer(self.want.digest, i)
+            self.board.offer(self.want.digest, i, relayed=origin != SOURCE)
             self.cond.notify_all()
         self.counter.add(length)
         waiting = self.peers.waiting
@@ -545,18 +573,25 @@ class Swarm:
         """Fetch every piece a peer sent again from the source; name the peers whose bytes
         differ. Fails the pull (the part removed) when the file still is not its digest."""
         blamed: Counter[str] = Counter()
+        passed_on: Counter[str] = Counter()
         for i, origin in enumerate(self.record.origins):
             if origin is None or origin == SOURCE:
                 continue
             start, length = piece_span(i, self.want.size)
             data = self._source_piece(i)
             if os.pread(self.fd, length, start) != data:
-                blamed[origin] += 1
+                (passed_on if i in self.via_relay else blamed)[origin] += 1
                 _pwrite_all(self.fd, data, start)
             self.record.origins[i] = SOURCE
-        for peer, count in blamed.items():
+        for peer in set(blamed) | set(passed_on):
+            what = [
+                f"sent {blamed[peer]} pieces" if blamed[peer] else "",
+                f"passed on {passed_on[peer]} pieces from its peers" if passed_on[peer] else "",
+            ]
             self.peers.skip(
-                peer, f"sent {count} pieces of {self.want.name} with bytes that are not its digest"
+                peer,
+                f"{' and '.join(w for w in what if w)} of {self.want.name} with bytes that are "
+                "not its digest",
             )
         self.hashes = Hashes(self.want)
         self.hashed = 0
