@@ -96,6 +96,7 @@ class Holding:
     offered: Bitmap  # pieces peers may take (see the module's docstring)
     fetching: set[int] = field(default_factory=set)  # taken from the source right now
     relayed: Bitmap | None = None  # offered pieces taken from peers, not checked yet
+    incoming: set[int] = field(default_factory=set)  # coming from peers right now
 
     def __post_init__(self) -> None:
         if self.relayed is None:
@@ -146,7 +147,9 @@ class Board:
             h = self._files.get(digest)
             if h is None:
                 return None
-            return piece_map(self.host_id, h.size, h.offered, sorted(h.fetching), h.relayed)
+            m = piece_map(self.host_id, h.size, h.offered, sorted(h.fetching), h.relayed)
+            m["incoming"] = sorted(h.incoming)
+            return m
 
     def piece_at(self, digest: str, index: int) -> tuple[Path, int, int] | None:
         """(file, offset, length) of a piece this host offers; None when it does not."""
