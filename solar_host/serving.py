@@ -320,6 +320,7 @@ def staged_app(settings: Settings, **overrides: Any) -> StagedApp:
         host = build_host(settings, **overrides)
 
     def build_api() -> ASGIApp:
+        build_deferred_models("solar_host.")
         without_pydantic_v1()
         import_fastapi_deferring_openapi_models()
         from solar_host.app import create_api
@@ -353,6 +354,27 @@ def import_fastapi_deferring_openapi_models() -> None:
         return
     with pydantic_builds_deferred():
         import fastapi  # noqa: F401
+
+
+def build_deferred_models(prefix: str) -> None:
+    """Build the pydantic models of the modules whose names start with `prefix` that were
+    deferred (pydantic_builds_deferred) and that nothing has used yet; one that cannot be
+    built yet stays deferred. Run before the router: FastAPI, given a model not built yet,
+    generated its schema again inside the schema of every route that names it, where a built
+    model's is reused (6.4 MiB more idle RSS on a host with no instance on record)."""
+    from pydantic import BaseModel
+
+    seen: set[type] = set()
+    todo: list[type] = [BaseModel]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub in seen:
+                continue
+            seen.add(sub)
+            todo.append(sub)
+            if sub.__module__.startswith(prefix) and not sub.__pydantic_complete__:
+                sub.model_rebuild(raise_errors=False)
 
 
 @contextlib.contextmanager
