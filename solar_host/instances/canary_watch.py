@@ -9,7 +9,10 @@ does (health.watch_liveness): the reason is told first (the crash's reason, caus
 
 Never ahead of a user's request: a probe waits until the host's view of the backend (its log
 and /metrics, telemetry.py) has shown no request in flight for QUIET_S, and a round that
-finds it busy for a whole interval is skipped.
+finds it busy waits for it to be idle. Busy is not stuck: requests in flight that have
+shown no progress (no log line, no finished request, no /metrics value moved) for a whole
+interval are probed anyway, so an engine that hangs on a user's request (its /health still
+200) meets the probe's CANARY_TIMEOUT_S; a backend making progress is never probed while busy.
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ def idle(sup: Supervising, quiet_s: float) -> bool:
     )
 
 
+def stalled_for(sup: Supervising) -> float:
+    """How long the requests in flight have shown no progress; 0 when none is in flight."""
+    t = sup.telemetry
+    if not t.state.busy and not t.state.active_slots:
+        return 0.0
+    return max(0.0, time.monotonic() - t.progress_at)
+
+
 async def ask(
     address: str,
     port: int,
@@ -145,34 +156,50 @@ async def watch(sup: Supervising, proc: procs.BackendProcess, probe: canary.Prob
         if not first:
             await asyncio.sleep(interval)
         first = False
-        if not await _until_idle(sup, current, interval):
+        stalled = await _until_idle(sup, current, interval)
+        if stalled is None:
             continue
         port = sup.instance.port
         if port is None or not current():
             return
+        if stalled:
+            log.warning(
+                "requests in flight on %s have made no progress for %.0fs: probing it anyway",
+                sup.id,
+                stalled,
+            )
         verdict, answer = await _probe(sup, address, port, probe, expected, current)
         if verdict is None or answer is None or not current():
             continue  # skipped; or stopped or replaced meanwhile: the loop's check ends it
         if not verdict.ok:
-            await _end(sup, proc, probe, verdict)
+            await _end(sup, proc, probe, verdict, stalled)
             return
         sup.counters["canary_probes"] = sup.counters.get("canary_probes", 0) + 1
-        if expected is None:
+        # A known answer is taken from a backend alone, not one asked beside stuck requests.
+        if expected is None and not stalled:
             expected = canary.fingerprint(answer, ident, datetime.now(UTC).isoformat())
             sup.stored.canary = expected
             sup.ctx.persist_soon()
             log.info("known answer of %s recorded (%s %s)", sup.id, probe.kind, probe.path)
 
 
-async def _until_idle(sup: Supervising, current: Callable[[], bool], within: float) -> bool:
-    """Wait (up to `within` seconds) for the backend to be idle; False: it stayed busy."""
-    deadline = time.monotonic() + within
-    quiet = min(QUIET_S, within)
+async def _until_idle(
+    sup: Supervising, current: Callable[[], bool], stuck_after: float
+) -> float | None:
+    """Wait for the backend to be idle (0.0), or for its requests in flight to have shown no
+    progress for `stuck_after` seconds (stuck: how long, > 0); None: it is no longer the one
+    watched. A busy backend is looked at until one or the other, so a request that stops
+    making progress is met one interval after its last sign of life, however long it was busy
+    before."""
+    quiet = min(QUIET_S, stuck_after)
     while not idle(sup, quiet):
-        if time.monotonic() >= deadline or not current():
-            return False
+        if not current():
+            return None
+        stalled = stalled_for(sup)
+        if stalled >= stuck_after:
+            return stalled
         await asyncio.sleep(IDLE_POLL_S)
-    return True
+    return 0.0
 
 
 async def _probe(
@@ -203,11 +230,20 @@ async def _probe(
 
 
 async def _end(
-    sup: Supervising, proc: procs.BackendProcess, probe: canary.Probe, verdict: canary.Verdict
+    sup: Supervising,
+    proc: procs.BackendProcess,
+    probe: canary.Probe,
+    verdict: canary.Verdict,
+    stalled: float,
 ) -> None:
+    stuck = (
+        f" (asked while requests in flight had made no progress for {stalled:.0f}s)"
+        if stalled
+        else ""
+    )
     why = (
         f"The backend's answer to the known-answer probe ({probe.kind}, {probe.path}) is "
-        f"wrong: {verdict.evidence}; the host ended it"
+        f"wrong: {verdict.evidence}{stuck}; the host ended it"
     )
     sup.ended_why = why  # the crash's reason (crashes.crashed), cause canary_mismatch
     log.error("backend pid %s of %s: %s", proc.pid, sup.id, why)

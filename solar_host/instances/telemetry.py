@@ -12,6 +12,9 @@ from solar_host.backends.base import GenerationMetrics, LogParser, ParseResult, 
 from solar_host.events import EventBus, GenerationFinished, RuntimeStateChanged, iso_now
 
 RECENT_GENERATIONS = 100
+# Series of a Prometheus client's own process (CPU seconds, memory, GC): they move while the
+# engine is stuck, so they never count as its progress.
+EXPORTER_PREFIXES = ("process_", "python_")
 
 
 class Telemetry:
@@ -24,6 +27,11 @@ class Telemetry:
         self.state_at = iso_now()
         # When the state last changed (monotonic): the canary probes only a backend idle a while.
         self.state_changed = time.monotonic()
+        # When the backend last showed progress (monotonic): a log line, a state change, a
+        # finished request, or a /metrics scrape whose values moved. Requests in flight with
+        # none for a whole canary interval are stuck, not busy (canary_watch.py).
+        self.progress_at = self.state_changed
+        self._last_metrics: dict[str, float] | None = None
         self.state_seq = 0
         self.state_events: deque[dict[str, Any]] = deque(maxlen=state_buffer)
         self.generations: deque[dict[str, Any]] = deque(maxlen=RECENT_GENERATIONS)
@@ -36,12 +44,15 @@ class Telemetry:
     def reset(self, parser: LogParser | None) -> None:
         """A new backend process: fresh parser, idle state (generations are kept)."""
         self.parser = parser
+        self._last_metrics = None
         self._set_state(RuntimeState())
 
     def feed(self, lines: list[str]) -> None:
         parser = self.parser
         if parser is None:
             return
+        if lines:
+            self.progress_at = time.monotonic()
         for line in lines:
             try:
                 result = parser.feed(line)
@@ -61,6 +72,7 @@ class Telemetry:
             self.usage = {"backend_type": backend_type, **snapshot, "timestamp": iso_now()}
         if self.parser is None:
             return
+        self._metrics_progress(metrics)
         try:
             result = self.parser.apply_metrics(metrics)
         except Exception:
@@ -74,6 +86,17 @@ class Telemetry:
         if result.state is not None:
             self._set_state(result.state)
 
+    def _metrics_progress(self, metrics: Mapping[str, float]) -> None:
+        """A scrape whose engine values moved since the last one is progress (llama.cpp's
+        decode and token counters, its KV cache use grow as a generation streams without a log
+        line). The exporter's own process and Python series tick whatever the engine does."""
+        engine = {
+            name: value for name, value in metrics.items() if not name.startswith(EXPORTER_PREFIXES)
+        }
+        if self._last_metrics is not None and engine != self._last_metrics:
+            self.progress_at = time.monotonic()
+        self._last_metrics = engine
+
     def own_request(self, until: float) -> None:
         """The host's own request (a canary probe) runs, alone (the backend was idle): the
         first generation to finish before `until` (monotonic) is its own, and a user's last
@@ -86,6 +109,7 @@ class Telemetry:
             self.own_until = time.monotonic() + grace_s
 
     def _add_generation(self, g: GenerationMetrics) -> None:
+        self.progress_at = time.monotonic()
         if self.own_until:
             own = time.monotonic() <= self.own_until
             self.own_until = 0.0
@@ -100,7 +124,7 @@ class Telemetry:
     def _set_state(self, state: RuntimeState) -> None:
         self.state = state
         self.state_at = iso_now()
-        self.state_changed = time.monotonic()
+        self.state_changed = self.progress_at = time.monotonic()
         data = self.snapshot()
         self.state_events.append(
             {
