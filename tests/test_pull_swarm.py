@@ -333,3 +333,43 @@ async def test_hosts_that_join_one_that_has_the_model_pass_its_pieces_on(tmp_pat
     finally:
         for cm in reversed(stack[: len(hosts)]):
             await cm.__aexit__(None, None, None)
+
+
+async def test_hosts_pulling_a_registry_artifact_at_once_share_its_file_layers(tmp_path):
+    """The swarm works for an OCI artifact's file layers too: the registry serves each piece
+    of the weights once for both hosts (ranges of the blob)."""
+    from tests.fixtures.hostile_peers import HostileOCI
+
+    registry = HostileOCI()
+    data = os.urandom(2 * PIECE_BYTES + 777)
+    registry.add_artifact("proj/m", "v1", {"m.gguf": data, "config.json": b"{}"})
+    body = {"source": "harbor", "source_uri": "repo://m:v1", "harbor_ref": "proj/m:v1"}
+
+    def for_registry(name: str):
+        return host_settings(
+            tmp_path / name,
+            harbor_url=registry.url,
+            min_free_disk_gb=0,
+            pull_progress_interval_s=0.05,
+            peer_token=TOKEN,
+        )
+
+    stack = [running_host(for_registry(n)) for n in ("h1", "h2")]
+    hosts = []
+    try:
+        hosts = [await cm.__aenter__() for cm in stack]
+        for h in hosts:
+            h.host.settings.model_peers = ",".join(o.url for o in hosts if o is not h)
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(h.client.post("/models/pull", json=body) for h in hosts)), 120
+        )
+        for r in answers:
+            assert r.status_code == 200, r.text
+            assert Path(r.json()["path"], "m.gguf").read_bytes() == data
+        pieces = [r for r in registry.ranges if r.count("-") == 1 and not r.endswith("-")]
+        assert sorted(pieces) == sorted(set(pieces))  # no piece twice
+        assert len(pieces) == piece_count(len(data))  # each piece once, for both hosts
+    finally:
+        for cm in reversed(stack[: len(hosts)]):
+            await cm.__aexit__(None, None, None)
+        registry.stop()

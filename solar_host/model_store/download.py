@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from solar_host.model_store import huggingface, oci
+from solar_host.model_store import huggingface, oci, swarm
 from solar_host.model_store.layers import assemble
 from solar_host.model_store.manifest import Manifest, ManifestEntry, now_iso
 from solar_host.model_store.pacing import RateCap, Waiting
@@ -199,6 +199,7 @@ class Download:
         job.bytes_total = sum(x.size for x in layers)
         blobs = partial / "blobs"
         peers = self._peers(job)
+        pace = self._pace(job)
 
         def fetch() -> None:
             try:
@@ -210,6 +211,16 @@ class Download:
                     if peers is not None and not layer.unpack:
                         name = f"sha256-{layer.hex}"
                         want = Want(layer.title, layer.size, layer.digest)
+                        if swarm.applies(peers, want) and not (blobs / name).is_file():
+
+                            def piece(start: int, end: int, layer: oci.Layer = layer) -> Any:
+                                return registry.blob_range(repo, layer, start, end, job.cancel)
+
+                            part = blobs / f"{name}.swarm"
+                            swarm.Swarm(
+                                peers, want, part, blobs / name, partial, counter, piece, pace
+                            ).run()
+                            continue
                         if peers.fetch(want, blobs / f"{name}.part", blobs / name, counter):
                             continue
                     job.waiting.origin = "source"

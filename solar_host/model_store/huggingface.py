@@ -300,17 +300,8 @@ class Hub:
     def _range(self, url: str, f: HubFile, start: int, end: int, timeout: Any) -> Any:
         """An open response of bytes `start`..`end` of `f` (a piece of a swarm)."""
         resp = self._send("GET", url, headers={"Range": f"bytes={start}-{end}"}, timeout=timeout)
-        whole = resp.status_code == 200 and start == 0 and end == f.want.size - 1
-        if resp.status_code == 206 or whole:
-            got = (resp.headers.get("Content-Range") or "").removeprefix("bytes ")
-            if whole or got.split("/", 1)[0].strip() == f"{start}-{end}":
-                return resp
-            resp.close()
-            raise PullError(
-                502,
-                "model_pull_failed",
-                f"The Hub sent bytes {got or '?'} of {f.path} for {start}-{end}",
-            )
+        if swarm.range_usable(resp, start, f"The Hub's range of {f.path}"):
+            return resp
         resp.close()
         _refuse(resp, url)
         raise PullError(

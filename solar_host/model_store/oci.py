@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from solar_host.model_store import swarm
 from solar_host.model_store.layers import Layer, parse_layers
 from solar_host.model_store.pacing import Waiting, send_politely
 from solar_host.model_store.progress import ByteCounter
@@ -226,6 +227,28 @@ class Registry:
                 502, "model_pull_failed", "Registry sent an unreadable manifest"
             ) from None
         return parse_layers(body), digest
+
+    def blob_range(
+        self, repository: str, layer: Layer, start: int, end: int, cancel: CancelToken
+    ) -> Any:
+        """An open response of bytes `start`..`end` of a blob (a piece of a swarm)."""
+        path = f"/v2/{repository}/blobs/{layer.digest}"
+        resp = send_politely(
+            lambda: self.request("GET", path, {"Range": f"bytes={start}-{end}"}, stream=True),
+            f"Registry {self.host}",
+            cancel,
+            self.waiting,
+        )
+        if swarm.range_usable(resp, start, f"The registry's range of blob {layer.digest}"):
+            return resp
+        resp.close()
+        if resp.status_code == 404:
+            raise PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
+        raise PullError(
+            502,
+            "source_unreachable",
+            f"Registry answered {resp.status_code} to a range of blob {layer.digest}",
+        )
 
     def fetch_blob(
         self, repository: str, layer: Layer, blobs: Path, counter: ByteCounter, cancel: CancelToken

@@ -84,6 +84,24 @@ READ_CHUNK = 256 << 10
 SourceRange = Callable[[int, int], Any]
 
 
+def range_usable(resp: Any, start: int, what: str) -> bool:
+    """Whether an answer to `Range: bytes=start-end` holds the piece from its first byte: a 206
+    from `start` (one that runs past `end` too: only the piece is read), or the whole body when
+    `start` is 0. False for another answer, whose status the caller reports; a 206 from
+    elsewhere is a 502 naming `what`."""
+    if resp.status_code == 200:
+        return start == 0
+    if resp.status_code != 206:
+        return False
+    got = (resp.headers.get("Content-Range") or "").removeprefix("bytes ").split("-", 1)[0]
+    if got.strip() != str(start):
+        resp.close()
+        raise PullError(
+            502, "model_pull_failed", f"{what}: asked for the bytes from {start}, got {got}-"
+        )
+    return True
+
+
 def applies(peers: Peers | None, want: Want) -> bool:
     """Whether `want` is fetched by a swarm: there are peers, and it is over one piece (a file
     of one piece cannot be split among hosts; it comes whole from a peer that has it, else the
@@ -487,15 +505,17 @@ class Swarm:
         with self.cond:
             self.open.add(resp)
         try:
-            return self._read(resp, length, what, paced=True)
+            return self._read(resp, length, what, exact=origin != SOURCE)
         finally:
             with self.cond:
                 self.open.discard(resp)
             resp.close()
 
-    def _read(self, resp: Any, length: int, what: str, *, paced: bool) -> bytearray:
+    def _read(self, resp: Any, length: int, what: str, *, exact: bool) -> bytearray:
+        """The first `length` bytes of the body (a peer's must be exactly that long; a source
+        may send past the piece)."""
         declared = resp.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) != length:
+        if exact and declared is not None and declared.isdigit() and int(declared) != length:
             raise _BadPeer(f"sent {declared} bytes for a piece of {length}")
         buf = bytearray(length)
         view = memoryview(buf)
@@ -509,7 +529,7 @@ class Swarm:
                     break
                 got += n
                 guard.feed(n)
-                if paced and self.pace is not None:
+                if self.pace is not None:
                     self.pace(n)
         except PullError:
             raise
