@@ -322,6 +322,8 @@ class ConnectionGuard:
         cycle = self.cycle
         if (cycle is not None and not cycle.response_complete) or self.pipeline:
             return False
+        if self.transport.is_closing():
+            return False  # closing (a late header deadline): no write here
         parser = self.parser
         if (
             parser.get_method() != b"GET"
