@@ -31,7 +31,7 @@ from solar_host.model_store.pacing import RateCap
 
 router = APIRouter(tags=["peers"])
 DIGEST_RE = re.compile(r"^(sha256:[0-9a-f]{64}|gitsha1:[0-9a-f]{40})$")
-CHUNK = 256 << 10  # a paced body is read and sent this much at a time
+CHUNK = 256 << 10  # a paced body is read and sent this much at a time (1 MiB when not paced)
 
 
 def _refusal(request: Request) -> JSONResponse | None:
@@ -158,8 +158,9 @@ async def _paced(
         try:
             done = 0
             while done < length:
+                chunk = CHUNK if cap.bytes_per_s > 0 else 4 * CHUNK
                 data = await asyncio.to_thread(
-                    os.pread, fd, min(CHUNK, length - done), offset + done
+                    os.pread, fd, min(chunk, length - done), offset + done
                 )
                 if not data:
                     return  # the file shrank: the peer sees a short body and fails the piece

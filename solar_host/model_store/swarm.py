@@ -399,13 +399,15 @@ class Swarm:
 
     def _next(self, now: float) -> tuple[int, str] | None:
         """The next piece to fetch and its origin (the lock is held); None: wait."""
-        if self.polls < 2:
-            return None  # learn the swarm before claiming anything from the source
+        if self.polls < 1:
+            return None
         missing = self.full & ~self.have & ~self.inflight_mask
         if not missing:
             return None
         sw = self.swarm
-        if SOURCE not in self.inflight.values() and now >= self.source_after:
+        # Nothing is claimed from the source before the second round of maps: hosts that
+        # started together have seen one another by then. Peers' pieces are taken at once.
+        if SOURCE not in self.inflight.values() and now >= self.source_after and self.polls >= 2:
             mine = sw.owned(self.me)
             for v in sw.views:  # an owner that shows no progress loses its pieces
                 if now - v.changed_at > STEAL_AFTER_S:
