@@ -107,6 +107,15 @@ def servers(tiny_hf_models: TinyHFModels, tmp_path_factory):  # noqa: F811
         "causal": launch(
             "huggingface_causal", tiny_hf_models.causal, logs / "causal.log", max_length=512
         ),
+        # The model's whole context (n_positions): a greedy run of ~2,000 tokens lasts seconds,
+        # long enough that a test can see it running on a loaded machine.
+        "long": launch(
+            "huggingface_causal",
+            tiny_hf_models.causal,
+            logs / "long.log",
+            max_length=2048,
+            alias="long",
+        ),
         "cls": launch("huggingface_classification", tiny_hf_models.classifier, logs / "cls.log"),
         "emb": launch(
             "huggingface_embedding",
@@ -300,22 +309,28 @@ def test_stop_sequences(causal: Server) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_health_answers_during_long_generation(causal: Server) -> None:
-    body = {"prompt": "the", "max_tokens": 400, "temperature": 0, "stream": True}
+def test_health_answers_during_long_generation(servers) -> None:
+    """/health answers at once while a generation decodes. The generation must still run when
+    /health is asked: 400 tokens of the tiny model at a 512 context took ~0.4 s, which a loaded
+    CI machine outlasted between the first token and the check (generating == 0). At the
+    model's full context it decodes ~2,000 tokens (seconds); the check asks before /health."""
+    long = servers["long"]
+    body = {"prompt": "the", "max_tokens": 2000, "temperature": 0, "stream": True}
     with httpx.stream(
-        "POST", causal.url + "/v1/completions", json=body, headers=AUTH, timeout=120
+        "POST", long.url + "/v1/completions", json=body, headers=AUTH, timeout=120
     ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["text"]
+        stats = httpx.get(long.url + "/v1/stats", headers=AUTH, timeout=5).json()
+        assert stats["generating"] == 1  # the generation runs while /health is asked
         t0 = time.monotonic()
-        h = httpx.get(causal.url + "/health", timeout=5)
+        h = httpx.get(long.url + "/health", timeout=5)
         health_s = time.monotonic() - t0
-        stats = httpx.get(causal.url + "/v1/stats", headers=AUTH, timeout=5).json()
         assert h.status_code == 200
-        assert stats["generating"] == 1  # the generation was still running meanwhile
         rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
+        assert len(rest) > 1000  # it was the long run this test needs
     assert health_s < 2.0
 
 
