@@ -29,6 +29,7 @@ from solar_host.instances.errors import (
 )
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import probe_address
+from solar_host.instances.intent import Intent
 from solar_host.instances.lease import Lease, LineSink
 from solar_host.instances.logs import LogFollower, LogRing, new_log_path
 from solar_host.instances.restarts import CrashLoop, RestartPolicy
@@ -74,6 +75,7 @@ class Supervisor:
         # Set by detach(): an interrupted start leaves its backend to the next host process.
         self._detaching = False
         self.attempt_spawned_at: datetime | None = None  # for a failed attempt's flight record
+        self.intent = Intent(stored, lambda: ctx.persist_or_raise())
 
     # --- snapshots -------------------------------------------------------------------------------
 
@@ -164,12 +166,12 @@ class Supervisor:
     async def begin_start(
         self, *, undo_intent: bool | None = None, restart_op: bool = False
     ) -> None:
-        """Under the lock: make the start task. The intent is on disk before it exists, so a
-        stop issued later (it takes the lock after this) is the last word on disk, and a start
-        the next boot would forget is refused with 507 before anything runs."""
-        recorded = not self.stored.want_running
+        """Under the lock: make the start task. Its intent is saved while its fit check runs
+        and is on disk before it goes further (507 otherwise, nothing done; intent.py)."""
+        await self.intent.settled()
+        recorded = not self.intent.wanted
         if recorded:
-            await self._record_intent(True)
+            self.intent.record_soon(f"intent:{self.id}")
         if self.restart_task is not None:
             self.restart_task.cancel()
             self.restart_task = None
@@ -195,9 +197,10 @@ class Supervisor:
             if task is None or task.done() or task is not self._restart_start:
                 # Wanted from here on, on disk before any signal: a host that dies in the
                 # middle finishes the stop at boot and then starts it again (507: nothing done).
-                recorded = not self.stored.want_running
+                await self.intent.settled()
+                recorded = not self.intent.wanted
                 if recorded:
-                    await self._record_intent(True)
+                    await self.intent.record(True)
                 if await self._stop_locked(forget_intent=False):
                     self.after_stop_hook()
                     self.ctx.prune_logs_soon()
@@ -229,8 +232,18 @@ class Supervisor:
         START_DEADLINE_S from now). An adopted start that failed passes what it has left.
         `undo_intent`: the caller recorded want_running for this start (_begin_start); a start
         refused before anything ran takes it back."""
+        placed = self.instance.placed_devices
         try:
-            await admit_start(self)  # fit check and placement: 409 before anything is spawned
+            try:
+                await admit_start(self)  # fit check and placement: 409 before anything is spawned
+            except Exception:
+                await self.intent.on_disk()  # its save failed: 507 rather than 409
+                raise
+            await self.intent.on_disk()
+        except NotPersisted:
+            self.instance.placed_devices = placed  # nothing of this start is left, nor its hold
+            end_start(self)
+            raise
         except Exception:
             if undo_intent:
                 self.stored.want_running = False
@@ -563,16 +576,6 @@ class Supervisor:
         if task is not None and not task.done():
             task.cancel()
 
-    async def _record_intent(self, wanted: bool) -> None:
-        """Put `want_running` on disk before acting on it; NotPersisted (507) leaves it as
-        it was, so nothing is started or stopped that the next boot would undo."""
-        self.stored.want_running = wanted
-        try:
-            await self.ctx.persist_or_raise()
-        except NotPersisted:
-            self.stored.want_running = not wanted
-            raise
-
     async def stop(self, *, forget_intent: bool = True) -> Any:
         """Stop the backend (idempotent). `forget_intent=False` is a host shutdown: the
         instance is remembered as wanted, so the next boot starts it again."""
@@ -588,10 +591,11 @@ class Supervisor:
     async def _stop_locked(self, *, forget_intent: bool) -> bool:
         """The stop, under the lock (stop, restart). True when a backend was stopped: the
         caller then runs the after-stop hook and prunes the logs."""
-        if forget_intent and self.stored.want_running:
+        await self.intent.settled()  # a start's save of it
+        if forget_intent and self.intent.wanted:
             # A stop the next boot would undo (it starts what config.json says is wanted)
             # is refused with 507, and the backend keeps serving.
-            await self._record_intent(False)
+            await self.intent.record(False)
         # A crash restart in its backoff, or the next attempt of a start that is pausing:
         # StoredInstance.restart_due, set for both.
         restart_pending = self.stored.restart_due
