@@ -24,6 +24,7 @@ from solar_host.backends.base import (
     BackendConfigBase,
     HostFacts,
     LaunchContext,
+    LaunchError,
     LaunchSpec,
 )
 from solar_host.instances import confinement, landlock_exec, ownership, preflight
@@ -203,21 +204,39 @@ def access_policy(
     )
 
 
-async def spawn(
-    spec: LaunchSpec, env: dict[str, str], log_path: Path, settings: Settings
-) -> procs.BackendProcess:
-    """Write the backend's private files and spawn it, confined as the settings say.
-    AttemptFailed when it cannot run (confinement required but unavailable: not retried)."""
-    try:
-        if spec.private_files:  # each written with an fsync: off the loop
-            await asyncio.to_thread(write_private_files, spec.private_files)
+class Unprepared(AttemptFailed):
+    """What `prepare` refused: nothing was spawned, and every attempt would fail the same way."""
 
-        # Off the loop: fork/exec of a large host takes milliseconds, 200 starts seconds. In a
-        # thread that ends with the spawn: a confined spawn restricts that thread itself.
-        # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
-        # transformers tries as a directory first, an SGLang path) is then the file the
-        # roots check judged, never one beside wherever the host was started (ruling 12).
-        def run() -> procs.BackendProcess:
+    def __init__(self, reason: str):
+        super().__init__(reason, None, retryable=False)
+
+
+async def spawn(
+    make_spec: Callable[[], LaunchSpec],
+    environ: Callable[[LaunchSpec], dict[str, str]],
+    log_path: Path,
+    settings: Settings,
+) -> procs.BackendProcess:
+    """Check and build the launch (`make_spec`, as `prepare`: Unprepared when it refuses), its
+    environment (`environ`), the backend's private files, and spawn it, confined as the
+    settings say: one trip off the loop for all of it. AttemptFailed when it cannot run
+    (confinement required but unavailable: not retried)."""
+
+    # Off the loop: the checks read the model's files, fork/exec of a large host takes
+    # milliseconds (200 starts: seconds). In a thread that ends with the spawn: a confined
+    # spawn restricts that thread itself.
+    # In MODELS_DIR: what a backend opens by a relative name (a Hub-id-shaped model_id
+    # transformers tries as a directory first, an SGLang path) is then the file the roots
+    # check judged, never one beside wherever the host was started (ruling 12).
+    def run() -> procs.BackendProcess:
+        try:
+            spec = make_spec()
+        except (LaunchError, ValueError, OSError, RuntimeError) as err:
+            raise Unprepared(str(err)) from None
+        env = environ(spec)
+        try:
+            if spec.private_files:  # each written with an fsync
+                write_private_files(spec.private_files)
             return procs.spawn(
                 spec.argv,
                 env,
@@ -226,12 +245,12 @@ async def spawn(
                 access_policy(spec, env, settings),
                 settings.backend_read_confinement,
             )
+        except confinement.ConfinementUnavailable as err:
+            raise AttemptFailed(str(err), None, retryable=False) from None
+        except OSError as err:
+            raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
 
-        return await off_loop(run, undo=_kill_unrecorded, disposable=True)
-    except confinement.ConfinementUnavailable as err:
-        raise AttemptFailed(str(err), None, retryable=False) from None
-    except OSError as err:
-        raise AttemptFailed(f"Cannot run {spec.argv[0]}: {err.strerror or err}", None) from None
+    return await off_loop(run, undo=_kill_unrecorded, disposable=True)
 
 
 def process_record(

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from solar_host.backends.base import Backend, LaunchError, alias_safe
+from solar_host.backends.base import Backend, LaunchSpec, alias_safe
 from solar_host.estimates.hooks import admit_start, apply_placement, end_start
 from solar_host.events import InstanceStartFinished, InstanceStartTimed
 from solar_host.instances import adoption, crashes, flight, health, launch, ownership
@@ -392,32 +392,23 @@ class Supervisor:
             served_model_name=backend.served_model_name(config),
             capabilities=backend.capabilities(config, settings.models_dir),
         )
-        try:
-            spec = launch.prepare(
-                backend,
-                config,
-                launch.launch_context(settings, self.id, port, api_key, facts),
-                settings,
-                facts,
-            )
-            apply_placement(self, spec)
-        except (LaunchError, ValueError, OSError, RuntimeError) as err:
-            self.ctx.ports.release(port)
-            self.after_stop_hook()
-            await flight.log_unspawned(self, str(err))
-            raise AttemptFailed(str(err), None, retryable=False) from None
-        for w in spec.warnings:
-            log.warning("%s: %s", config.alias, w)
         key_hash = self.ctx.key_hash(api_key)
         spawn_id = ownership.new_spawn_id()
-        env = launch.environment(
-            spec,
-            settings,
-            marker=self.ctx.marker(self.id),
-            port=port,
-            key_hash=key_hash,
-            spawn_id=spawn_id,
-        )
+        marker = self.ctx.marker(self.id)
+        launch_ctx = launch.launch_context(settings, self.id, port, api_key, facts)
+
+        def make_spec() -> LaunchSpec:  # in the spawning thread (launch.spawn)
+            spec = launch.prepare(backend, config, launch_ctx, settings, facts)
+            apply_placement(self, spec)
+            for w in spec.warnings:
+                log.warning("%s: %s", config.alias, w)
+            return spec
+
+        def environ(spec: LaunchSpec) -> dict[str, str]:
+            return launch.environment(
+                spec, settings, marker=marker, port=port, key_hash=key_hash, spawn_id=spawn_id
+            )
+
         if self.deleted:
             self.ctx.ports.release(port)
             raise AttemptFailed("the instance was deleted", None, retryable=False)
@@ -425,9 +416,11 @@ class Supervisor:
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
-            proc = await launch.spawn(spec, env, log_path, settings)
+            proc = await launch.spawn(make_spec, environ, log_path, settings)
         except AttemptFailed as err:
             self.ctx.ports.release(port)
+            if isinstance(err, launch.Unprepared):
+                self.after_stop_hook()
             await flight.log_unspawned(self, err.reason)
             raise
         self.attempt_spawned_at = datetime.now(UTC)
