@@ -245,14 +245,16 @@ async def test_a_killed_swarm_pull_resumes_with_the_pieces_it_had(tmp_path, hub)
                     kept = sum(c != "." for c in json.loads(record.read_text())["pieces"])
                 except (ValueError, KeyError):
                     kept = 0
-                if kept >= 2:
+                if kept >= 1:
                     break
             await asyncio.sleep(0.02)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(30)
-    assert 2 <= kept < piece_count(SIZE)
-    kept = sum(c != "." for c in json.loads(record.read_text())["pieces"])
+    assert 1 <= kept < piece_count(SIZE)
+    marks = json.loads(record.read_text())["pieces"]
+    lengths = [min(PIECE_BYTES, SIZE - i * PIECE_BYTES) for i in range(piece_count(SIZE))]
+    missing = sum(n for n, c in zip(lengths, marks, strict=True) if c == ".")
     before = -1
     for _ in range(50):  # the Hub's thread of the killed connection writes until it notices
         if hub.bytes_sent.get("w.safetensors", 0) == before:
@@ -263,7 +265,7 @@ async def test_a_killed_swarm_pull_resumes_with_the_pieces_it_had(tmp_path, hub)
         res = await pull(h, [])
     data = (hub.root / "acme" / "m" / "w.safetensors").read_bytes()
     assert Path(res["path"], "w.safetensors").read_bytes() == data
-    assert hub.bytes_sent["w.safetensors"] - before <= SIZE - kept * PIECE_BYTES
+    assert hub.bytes_sent["w.safetensors"] - before == missing  # the recorded ones are kept
 
 
 async def test_the_piece_routes_take_the_peer_token_and_keep_the_upload_cap(tmp_path, hub):

@@ -68,7 +68,11 @@ from solar_host.model_store.transfer import RESUME_BACKOFF_S, RESUMES, Hashes, W
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the swarm's piece maps are asked again
-WORKERS = 6  # pieces in flight at once: one from the source, the others from peers
+WORKERS = 6  # pieces in flight at once: from the source (see below), the others from peers
+# Pieces in flight from the source at once: one while peers pull the file too (the source's
+# rate is shared among the owners anyway, and the pieces in flight at the end are what the
+# swarm waits for), a few when this host is alone (a request per piece, each a round trip).
+SOURCE_AT_ONCE_ALONE = 3
 PER_HOLDER = 1  # pieces in flight from one peer at once
 SAMPLE = 32  # missing pieces weighed for "rarest first" at each pick (of thousands, maybe)
 STEAL_AFTER_S = 20.0  # an owner that shows no progress this long loses its pieces to the rest
@@ -407,7 +411,9 @@ class Swarm:
         sw = self.swarm
         # Nothing is claimed from the source before the second round of maps: hosts that
         # started together have seen one another by then. Peers' pieces are taken at once.
-        if SOURCE not in self.inflight.values() and now >= self.source_after and self.polls >= 2:
+        from_source = sum(1 for o in self.inflight.values() if o == SOURCE)
+        limit = 1 if sw.views else SOURCE_AT_ONCE_ALONE
+        if from_source < limit and now >= self.source_after and self.polls >= 2:
             mine = sw.owned(self.me)
             for v in sw.views:  # an owner that shows no progress loses its pieces
                 if now - v.changed_at > STEAL_AFTER_S:
@@ -415,7 +421,7 @@ class Swarm:
             cand = missing & ~sw.offered & ~sw.claimed & mine
             if cand:
                 return _lowest(cand), SOURCE
-        if sum(1 for o in self.inflight.values() if o != SOURCE) >= WORKERS - 1:
+        if len(self.inflight) - from_source >= WORKERS - 1:
             return None  # one worker stays for the source
         return self._from_peers(missing & sw.offered, now)
 
@@ -472,7 +478,7 @@ class Swarm:
                     self.inflight[i] = origin
                     self.inflight_mask |= 1 << i
                     if origin == SOURCE:
-                        self.board.update(self.want.digest, fetching={i})
+                        self._tell_fetching()
                     else:
                         self._tell_incoming()
                 try:
@@ -541,6 +547,11 @@ class Swarm:
             raise Interrupted(f"{what}: the connection closed after {got} of {length} bytes")
         return buf
 
+    def _tell_fetching(self) -> None:
+        """Tell peers which pieces this host takes from the source now (lock held)."""
+        claims = {i for i, o in self.inflight.items() if o == SOURCE}
+        self.board.update(self.want.digest, fetching=claims)
+
     def _tell_incoming(self) -> None:
         """Tell peers (in this host's map) which pieces come from peers now (lock held)."""
         coming = {i for i, o in self.inflight.items() if o != SOURCE}
@@ -553,7 +564,7 @@ class Swarm:
             self.inflight_mask &= ~(1 << i)
             self._tell_incoming()
             if origin == SOURCE:
-                self.board.update(self.want.digest, fetching=set())
+                self._tell_fetching()
                 fatal = isinstance(err, PullError) and not isinstance(err, Interrupted)
                 self.source_fails += 1
                 if fatal or self.source_fails > RESUMES:
@@ -581,7 +592,7 @@ class Swarm:
             self._tell_incoming()
             if origin == SOURCE:
                 self.source_fails = 0
-                self.board.update(self.want.digest, fetching=set())
+                self._tell_fetching()
             self.board.offer(self.want.digest, i, relayed=origin != SOURCE)
             self.cond.notify_all()
         self.counter.add(length)
