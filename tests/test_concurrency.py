@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 from solar_host.backends.registry import BackendRegistry
+from solar_host.instances import relays
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend
 
@@ -29,11 +30,10 @@ SETTLED = {"running", "stopped", "failed"}
 
 
 def owner(p: psutil.Process) -> str:
-    """The log file a backend writes to names its instance (alias_<id>_<ts>.log)."""
-    try:
-        return os.readlink(f"/proc/{p.pid}/fd/1").rsplit("/", 1)[-1]
-    except OSError:
-        return "?"
+    """A backend's log file (the one its log relay writes) names its instance
+    (alias_<id>_<ts>.log)."""
+    path = relays.log_file_of(p.pid)
+    return path.name if path is not None else "?"
 
 
 def tagged(tag: str) -> list[psutil.Process]:

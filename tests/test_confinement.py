@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from solar_host.backends.registry import BackendRegistry
-from solar_host.instances import confinement
+from solar_host.instances import confinement, relays
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend, script_config
 
@@ -56,6 +56,8 @@ async def _confined(tmp_path: Path, argv: list[str], env: dict[str, str], cwd: P
     log = tmp_path / "logs" / "backend.log"
     proc = procs.spawn(argv, env, log, cwd, policy, "required")
     assert await procs.wait_exit(proc, timeout=30)
+    assert proc.relay is not None
+    await relays.drained(proc.relay)  # its log relay has written all it said
     return log.read_text()
 
 
@@ -368,8 +370,9 @@ def test_only_the_devices_runtimes_use_are_allowed(tmp_path: Path) -> None:
 async def test_a_confined_backend_writes_its_log_by_path_and_makes_no_device(
     tmp_path: Path,
 ) -> None:
-    """`echo x > /dev/stderr` reopens the backend's log through /proc/self/fd: refused once
-    writes were confined, until the log became a file it may write. Device nodes are never
+    """`echo x > /dev/stderr` reopens the backend's output through /proc/self/fd: its pipe to
+    its log relay (the log file itself it may not write, so nothing passes the relay's
+    bound). Device nodes are never
     made, even by root in TMPDIR (a node for a disk would be raw access to every file)."""
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -464,6 +467,8 @@ async def test_a_checkout_that_is_the_state_directory_gives_backends_its_code_on
     log = tmp_path / "out" / "backend.log"
     proc = procs.spawn(argv, env, log, tmp_path, policy, "required")
     assert await procs.wait_exit(proc, timeout=30)
+    assert proc.relay is not None
+    await relays.drained(proc.relay)
     out = log.read_text()
     assert "import code 1 2" in out, out
     assert "READ" not in out, out

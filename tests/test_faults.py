@@ -22,6 +22,7 @@ import httpx
 import psutil
 import pytest
 
+from solar_host.instances import relays
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
 
@@ -30,10 +31,12 @@ SETTLED = {"running", "stopped", "failed"}
 
 
 def owner(p: psutil.Process) -> str:
-    """Instance id of a backend, from the log file it writes (alias_<id>_<ts>.log)."""
+    """Instance id of a backend, from its log file, the one its log relay writes
+    (alias_<id>_<ts>.log)."""
+    path = relays.log_file_of(p.pid)
     try:
-        return os.readlink(f"/proc/{p.pid}/fd/1").rsplit("/", 1)[-1].split("_")[1]
-    except (OSError, IndexError):
+        return path.name.split("_")[1] if path is not None else "?"
+    except IndexError:
         return "?"
 
 
@@ -41,8 +44,8 @@ def _describe(pid: int) -> str:
     """What a process is, for a failure message: its command line, state and stdout."""
     try:
         p = psutil.Process(pid)
-        out = os.readlink(f"/proc/{pid}/fd/1")
-        return f"{p.status()} ppid {p.ppid()} {p.cmdline()[:6]} stdout {out}"
+        out = relays.log_file_of(pid)
+        return f"{p.status()} ppid {p.ppid()} {p.cmdline()[:6]} log {out}"
     except (psutil.Error, OSError) as err:
         return f"gone or unreadable: {err!r}"
 

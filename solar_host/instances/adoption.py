@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from solar_host.estimates.hooks import end_start, hold_adopted
-from solar_host.instances import flight, ownership, procfs
+from solar_host.instances import flight, ownership, procfs, relays
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, InstanceNotFound, StartFailed
 from solar_host.instances.health import AttemptFailed
@@ -154,7 +154,7 @@ def unrecorded_process(
             ", ".join(map(str, ports)) or "no port yet",
         )
         return None
-    log_file = ownership.stdout_path(ident.pid)
+    log_file = relays.log_file_of(ident.pid)
     if log_file is not None and log_dir.resolve() not in log_file.resolve().parents:
         log_file = None
     try:
@@ -401,6 +401,8 @@ async def attach_adopted(
         await asyncio.to_thread(procs.note_listener, proc, rec.port)
     else:
         proc.port = rec.port
+    # Its log relay, so that its last lines are awaited when it ends (Lease.stop_watching).
+    proc.relay = await asyncio.to_thread(relays.relay_of, proc.pid)
     log_path = Path(rec.log_file) if rec.log_file else None
     if log_path is not None:
         # Continue the log where it is: seq = the attempt's base + lines already in the file.

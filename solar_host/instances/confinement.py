@@ -212,7 +212,8 @@ class AccessPolicy:
     files: tuple[str, ...]
     writable: tuple[str, ...] = ()
     confine_writes: bool = False
-    # Single files it may write: its own log, which `> /dev/stderr` reopens by path.
+    # Single files it may write (none the host names today: a backend's log is a pipe to its
+    # log relay, which `> /dev/stderr` reopens through /proc/self/fd without a rule).
     writable_files: tuple[str, ...] = ()
     # Trees a writable path may lead into through a link, besides the writable trees that lie
     # in no other (BACKEND_WRITE_PATHS, the operator's): see Ruleset.build.

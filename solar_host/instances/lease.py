@@ -16,6 +16,7 @@ from pathlib import Path
 from solar_host.backends.base import Backend
 from solar_host.events import EventBus, LogLine
 from solar_host.instances import process as procs
+from solar_host.instances import relays
 from solar_host.instances.logs import InotifyHub, LogFollower, LogRing
 from solar_host.instances.ports import PortAllocator
 from solar_host.instances.telemetry import Telemetry
@@ -107,6 +108,11 @@ class Lease:
         """Stop every watcher and read the rest of its log."""
         self.stop_watchers()
         if self.follower is not None:
+            relay = self.proc.relay
+            if relay is not None and not self.proc.alive():
+                # What the backend wrote last may still be in its pipe: the relay exits
+                # once it has written it all (a failed start's log_tail is those lines).
+                await relays.drained(relay)
             await self.follower.stop(flush=True)
             self.follower = None
 

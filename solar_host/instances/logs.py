@@ -1,8 +1,10 @@
 """Backend log files, the follower that turns them into numbered lines, and the in-memory ring.
 
-The backend writes straight into its log file; the host follows the file (inotify, with a slow
-poll as a safety net) and never sits between the backend and its output. Each line gets a `seq`
-that increases for the life of the instance id, across retries, restarts and re-adoption.
+A backend's log relay (log_relay.py) writes its log file, never past the file's bound; the host
+follows the file (inotify, with a slow poll as a safety net) and never sits between the backend
+and its output. The flood cut (cut_flood) is for writers without a relay: backends spawned
+by older hosts, which write their file themselves. Each line gets a `seq` that increases for
+the life of the instance id, across retries, restarts and re-adoption.
 """
 
 from __future__ import annotations

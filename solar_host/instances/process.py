@@ -1,7 +1,8 @@
 """Backend processes: spawn them detached from the host, signal and end their whole tree.
 
-A backend runs in its own session and process group with its output appended to its log file,
-so it never waits on the host and keeps serving when the host dies. Whether a process is (still)
+A backend runs in its own session and process group; its output goes through a pipe to its log
+relay (relays.py), which appends it to its log file within the file's bound, so it never waits
+on the host and keeps serving, its log written, when the host dies. Whether a process is (still)
 our backend is ownership.py's question; this module only acts on the answer.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from solar_host.instances import confinement, ownership, procfs, signals
+from solar_host.instances import confinement, ownership, procfs, relays, signals
 from solar_host.instances.ownership import Identity
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ class BackendProcess:
     left_behind: list[str] = field(default_factory=list)
     # Set by terminate when the backend ignored SIGTERM for the whole grace: what a stop says.
     killed_after_s: float | None = None
+    # The relay writing its output to its log file (None: a backend of an older host, which
+    # writes its file itself, or one whose relay could not be found).
+    relay: relays.Relay | None = None
 
     @property
     def pid(self) -> int:
@@ -75,10 +78,13 @@ def spawn(
     cwd: Path | None = None,
     policy: confinement.AccessPolicy | None = None,
     confine: str = "off",
+    *,
+    log_bound: int | None = None,
 ) -> BackendProcess:
-    """Start `argv` in a new session with stdout+stderr appended to `log_path`, in the working
-    directory `cwd` (created if missing; None: the host's own), able to read and write only
-    what `policy` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
+    """Start `argv` in a new session with stdout+stderr going through a log relay to
+    `log_path` (never past `log_bound` bytes; None: no bound), in the working directory
+    `cwd` (created if missing; None: the host's own), able to read and write only what
+    `policy` allows when `confine` (BACKEND_READ_CONFINEMENT) says so.
 
     Blocking (fork/exec, procfs reads): call it through asyncio.to_thread. Raises
     confinement.ConfinementUnavailable when `confine` is "required" and cannot be met.
@@ -86,14 +92,11 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if cwd is not None:
         cwd.mkdir(parents=True, exist_ok=True)
-    # The log first: a rule needs the file to exist.
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+    # Its output is a pipe to its log relay: it is never given its log file (nor, with writes
+    # confined, the right to open it), so nothing it does passes the relay's bound.
+    read_end, fd = relays.pipe()
     ruleset = None
     try:
-        if policy is not None and policy.confine_writes:
-            # Its own log, which `> /dev/stderr` (a wrapper script, a logging config) reopens
-            # by path, through the process's own descriptor links.
-            policy = dataclasses.replace(policy, writable_files=(str(log_path),))
         ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
 
         def start(program: str | None = None) -> subprocess.Popen[bytes]:
@@ -107,16 +110,25 @@ def spawn(
                 start_new_session=True,
                 close_fds=True,
                 cwd=cwd,
+                # SIGPIPE stays ignored (as in the host): should its relay die, a write to
+                # the pipe fails with EPIPE, which the backend survives, not SIGPIPE.
+                restore_signals=False,
             )
 
         if ruleset is None:
             popen = start()
         else:
             popen = confinement.confined_popen(argv, env, ruleset, start)
+    except BaseException:
+        os.close(read_end)
+        raise
     finally:
         os.close(fd)
         if ruleset is not None:
             ruleset.close()
+    # Its relay after it, so that the relay's fork and exec are not on the way to the
+    # backend's first instruction: what it writes meanwhile waits in the pipe.
+    relay = _start_relay(popen, read_end, log_path, log_bound)
     # Popen returns after exec; the start time never changes after that, whatever the backend
     # execs next, so the identity taken now is the one re-adoption will find.
     st = procfs.stat(popen.pid)
@@ -129,7 +141,23 @@ def spawn(
         create_time=create_time,
         cmdline=list(argv),
         popen=popen,
+        relay=relay,
     )
+
+
+def _start_relay(
+    popen: subprocess.Popen[bytes], read_end: int, log_path: Path, bound: int | None
+) -> relays.Relay:
+    """The backend's log relay, on the pipe's `read_end` (closed here). A backend whose relay
+    cannot start is killed: its output would have nowhere to go."""
+    try:
+        return relays.start(read_end, log_path, bound if bound is not None else relays.NO_BOUND)
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    finally:
+        os.close(read_end)
 
 
 def _strays(proc: BackendProcess) -> list[Identity]:
