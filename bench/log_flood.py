@@ -167,7 +167,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="flood-") as d:
         tmp = Path(d)
         server_bin = make_server_bin(tmp, args.lines)
-        model = write_tiny_gguf(tmp / "tiny.gguf")
+        # In the host's MODELS_DIR: a config's model must lie in a model root (ruling 12).
+        model = write_tiny_gguf(tmp / "host" / "models" / "tiny.gguf")
         alone_runs: list[float] = []
         host_runs: list[tuple[float, bool, bool, float]] = []
         with HostProc(

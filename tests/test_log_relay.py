@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from solar_host.instances import ownership, relays
+from solar_host.instances import confinement, landlock_exec, ownership, relays
 from solar_host.instances import process as procs
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.script_backend import script_config
@@ -217,3 +217,33 @@ def test_relays_started_at_once_each_write_their_own_file(tmp_path: Path) -> Non
     for i in range(8):
         assert (tmp_path / f"{i}.log").read_text() == f"backend {i}\n"
     relays.reap()
+
+
+@pytest.mark.skipif(confinement.abi_version() < 2, reason="needs Landlock ABI 2 or later")
+def test_a_confined_spawn_that_restricts_its_own_thread_leaves_the_relay_free(
+    tmp_path: Path,
+) -> None:
+    """A start spawns in a thread that ends with it, and a confined spawn there restricts that
+    thread itself (landlock_exec): what that thread made afterwards would be confined like the
+    backend, kept out of LOG_DIR and from the host's interpreter. The relay comes from a thread
+    made before."""
+    logs = tmp_path / "logs"
+    state = confinement.HostState(tmp_path / "config.json", logs, tmp_path / "jobs")
+    # Not the host's interpreter (which the relay runs): the backend's policy names its own.
+    argv = ["/bin/sh", "-c", "echo confined and logged"]
+    # Its TMPDIR elsewhere: /tmp, where the logs are, is not a tree it may write.
+    env = {"PATH": os.defpath, "TMPDIR": str(tmp_path / "scratch")}
+    policy = confinement.access_policy(
+        roots=[tmp_path / "models"], argv=argv, env=env, host_state=state
+    )
+    done: list[object] = []
+    landlock_exec.in_disposable_thread(
+        lambda: procs.spawn(argv, env, logs / "c.log", tmp_path, policy, "required"), done.append
+    )
+    wait_for(lambda: done, 30, "the spawn")
+    [proc] = done
+    assert isinstance(proc, procs.BackendProcess), proc
+    assert proc.popen is not None and proc.popen.wait(timeout=30) == 0
+    assert proc.relay is not None
+    assert asyncio.run(relays.drained(proc.relay, 20.0))
+    assert (logs / "c.log").read_text() == "confined and logged\n"

@@ -8,6 +8,7 @@ our backend is ownership.py's question; this module only acts on the answer.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import logging
@@ -95,6 +96,7 @@ def spawn(
     # Its output is a pipe to its log relay: it is never given its log file (nor, with writes
     # confined, the right to open it), so nothing it does passes the relay's bound.
     read_end, fd = relays.pipe()
+    relay_starter = _RelayStarter(read_end, log_path, log_bound)
     ruleset = None
     try:
         ruleset = confinement.ruleset_for(confine, policy) if policy is not None else None
@@ -120,7 +122,7 @@ def spawn(
         else:
             popen = confinement.confined_popen(argv, env, ruleset, start)
     except BaseException:
-        os.close(read_end)
+        relay_starter.cancel()
         raise
     finally:
         os.close(fd)
@@ -128,7 +130,12 @@ def spawn(
             ruleset.close()
     # Its relay after it, so that the relay's fork and exec are not on the way to the
     # backend's first instruction: what it writes meanwhile waits in the pipe.
-    relay = _start_relay(popen, read_end, log_path, log_bound)
+    try:
+        relay = relay_starter.finish()
+    except BaseException:
+        popen.kill()  # its output would have nowhere to go
+        popen.wait()
+        raise
     # Popen returns after exec; the start time never changes after that, whatever the backend
     # execs next, so the identity taken now is the one re-adoption will find.
     st = procfs.stat(popen.pid)
@@ -145,19 +152,48 @@ def spawn(
     )
 
 
-def _start_relay(
-    popen: subprocess.Popen[bytes], read_end: int, log_path: Path, bound: int | None
-) -> relays.Relay:
-    """The backend's log relay, on the pipe's `read_end` (closed here). A backend whose relay
-    cannot start is killed: its output would have nowhere to go."""
-    try:
-        return relays.start(read_end, log_path, bound if bound is not None else relays.NO_BOUND)
-    except BaseException:
-        popen.kill()
-        popen.wait()
-        raise
-    finally:
-        os.close(read_end)
+class _RelayStarter:
+    """Starts a backend's log relay on the pipe's `read_end` (closed then) in a thread made
+    before the backend's spawn, when told to (`finish`) or not at all (`cancel`).
+
+    A confined spawn may restrict the very thread that spawns (landlock_exec), and what a
+    restricted thread makes, threads and processes, is restricted too: the relay, which writes
+    in LOG_DIR, must come from a thread made before that. Made with _thread: threading's
+    start() would wait for the kernel to run it, on the way to the backend's spawn."""
+
+    def __init__(self, read_end: int, log_path: Path, bound: int | None) -> None:
+        self._go = _thread.allocate_lock()
+        self._done = _thread.allocate_lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._wanted = False
+        self._outcome: relays.Relay | BaseException | None = None
+        limit = bound if bound is not None else relays.NO_BOUND
+        _thread.start_new_thread(self._run, (read_end, log_path, limit))
+
+    def _run(self, read_end: int, log_path: Path, bound: int) -> None:
+        self._go.acquire()
+        try:
+            if self._wanted:
+                self._outcome = relays.start(read_end, log_path, bound)
+        except BaseException as err:  # handed to finish()
+            self._outcome = err
+        finally:
+            os.close(read_end)
+            self._done.release()
+
+    def finish(self) -> relays.Relay:
+        self._wanted = True
+        self._go.release()
+        self._done.acquire()
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+    def cancel(self) -> None:
+        self._go.release()  # the thread closes the read end and ends
 
 
 def _strays(proc: BackendProcess) -> list[Identity]:
