@@ -232,23 +232,30 @@ class Registry:
         self, repository: str, layer: Layer, start: int, end: int, cancel: CancelToken
     ) -> Any:
         """An open response of bytes `start`..`end` of a blob (a piece of a swarm)."""
+        resp = self._get_blob(repository, layer, {"Range": f"bytes={start}-{end}"}, cancel)
+        if swarm.range_usable(resp, start, f"The registry's range of blob {layer.digest}"):
+            return resp
+        raise self._blob_refused(resp, repository, layer, f"to a range of blob {layer.digest}")
+
+    def _get_blob(
+        self, repository: str, layer: Layer, headers: dict[str, str], cancel: CancelToken
+    ) -> Any:
+        """The registry's response to a GET of a blob (whole or a range), sent politely."""
         path = f"/v2/{repository}/blobs/{layer.digest}"
-        resp = send_politely(
-            lambda: self.request("GET", path, {"Range": f"bytes={start}-{end}"}, stream=True),
+        return send_politely(
+            lambda: self.request("GET", path, headers, stream=True),
             f"Registry {self.host}",
             cancel,
             self.waiting,
         )
-        if swarm.range_usable(resp, start, f"The registry's range of blob {layer.digest}"):
-            return resp
+
+    @staticmethod
+    def _blob_refused(resp: Any, repository: str, layer: Layer, asked: str) -> PullError:
+        """Close an unusable blob response; the error that names it (`asked`: what was asked)."""
         resp.close()
         if resp.status_code == 404:
-            raise PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
-        raise PullError(
-            502,
-            "source_unreachable",
-            f"Registry answered {resp.status_code} to a range of blob {layer.digest}",
-        )
+            return PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
+        return PullError(502, "source_unreachable", f"Registry answered {resp.status_code} {asked}")
 
     def fetch_blob(
         self, repository: str, layer: Layer, blobs: Path, counter: ByteCounter, cancel: CancelToken
@@ -260,25 +267,12 @@ class Registry:
         that survived a crash must never point at a file whose data did not.
         """
         final = blobs / f"sha256-{layer.hex}"
-        path = f"/v2/{repository}/blobs/{layer.digest}"
 
         def send(headers: dict[str, str]) -> Any:
-            resp = send_politely(
-                lambda: self.request("GET", path, headers, stream=True),
-                f"Registry {self.host}",
-                cancel,
-                self.waiting,
-            )
+            resp = self._get_blob(repository, layer, headers, cancel)
             if resp.status_code in (200, 206):
                 return resp
-            resp.close()
-            if resp.status_code == 404:
-                raise PullError(404, "not_found", f"Blob {layer.digest} of {repository} not found")
-            raise PullError(
-                502,
-                "source_unreachable",
-                f"Registry answered {resp.status_code} for blob {layer.digest}",
-            )
+            raise self._blob_refused(resp, repository, layer, f"for blob {layer.digest}")
 
         want = Want(layer.title or layer.digest, layer.size, layer.digest)
         guard = LowSpeedGuard("The registry's blob download", MIN_RATE_BPS, RATE_WINDOW_S)
