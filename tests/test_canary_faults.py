@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from solar_host.backends.base import CanaryAsk
 from solar_host.backends.registry import BackendRegistry
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend, script_config
+from tests.fixtures.waiting import wait_until
 
 INTERVAL_S = 0.5
 GOOD = " mat and the dog ran"
@@ -59,16 +59,6 @@ def stored(config_file: Path, iid: str) -> dict[str, Any]:
 
 def replace_model(path: Path) -> None:
     path.write_bytes(b"GGUF-new")
-
-
-async def wait_until(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def test_every_silent_fault_is_caught_and_a_healthy_one_never(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from solar_host.instances.canary_watch import CONFIRM_S, QUIET_S
 from solar_host.instances.telemetry import Telemetry
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.script_backend import ScriptBackend, script_config
+from tests.fixtures.waiting import wait_until
 
 INTERVAL_S = 2.0
 TIMEOUT_S = 1.5
@@ -56,16 +57,6 @@ def scripted(tmp_path: Path, alias: str, answers: list[str]) -> dict[str, Any]:
     return script_config(
         tmp_path, "--request-lines", "--answers", json.dumps(answers), alias=alias, api_key=USER_KEY
     )
-
-
-async def wait_until(pred: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def user_post(port: int, timeout: float) -> httpx.Response:
