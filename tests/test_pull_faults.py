@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,12 +20,12 @@ from solar_host.model_store.pull import PullError
 from solar_host.model_store.service import ModelStore
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.hostile_peers import HostileHub, HostileOCI, PlainFiles
+from tests.fixtures.pull_child import kill_mid_pull
 from tests.fixtures.tmpfs import small_tmpfs
 from tests.test_model_store import make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
-REPO = Path(__file__).resolve().parents[1]
 HF_URI = "huggingface://acme/m"
 LOGIN = "Basic " + base64.b64encode(b"alice:s3cret").decode()
 
@@ -328,28 +325,6 @@ async def test_a_pull_waiting_for_another_can_itself_be_cancelled(tmp_path, host
 # --- the host killed mid-pull ----------------------------------------------------------------
 
 
-def _kill_mid_pull(models: Path, endpoint: str, req: dict, started) -> None:
-    """Run a pull in a process of its own and SIGKILL it once `started()` holds."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.pull_child", str(models), endpoint, json.dumps(req)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not started():
-            if proc.poll() is not None:
-                out, errs = proc.communicate(timeout=10)
-                raise AssertionError(f"the pull ended before the kill: {out!r} {errs[-2000:]!r}")
-            assert time.monotonic() < deadline, "the pull never got going"
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-
-
 async def test_a_host_killed_while_adding_files_keeps_the_model(tmp_path, hostile_hub):
     """SIGKILL mid top-up: after the restart the model was gone from GET /models (its files
     in .partial), and the pull that finished it recorded only the new filters."""
@@ -361,7 +336,7 @@ async def test_a_host_killed_while_adding_files_keeps_the_model(tmp_path, hostil
     hub.bad.modes["big.bin"] = "stall"
     hub.bad.stall_after = 1000
     await asyncio.to_thread(
-        _kill_mid_pull,
+        kill_mid_pull,
         store.models_dir,
         hub.url,
         hf(["big.bin"]),
@@ -388,7 +363,7 @@ async def test_a_host_killed_mid_blob_lists_nothing_and_the_pull_resumes(tmp_pat
     registry.bad.stall_after = 300_000
     models = tmp_path / "models"
     await asyncio.to_thread(
-        _kill_mid_pull,
+        kill_mid_pull,
         models,
         registry.url,
         harbor(),

@@ -1,4 +1,4 @@
-# ruff: noqa: ASYNC240, ASYNC220  (tests inspect files on disk between awaits; a child is killed)
+# ruff: noqa: ASYNC240  (tests inspect files on disk between awaits; a child is killed)
 """Pulling in a swarm (issue 42, fleet scale): hosts that pull one model at once share its
 pieces as they arrive (model_store/swarm.py). Real hosts on loopback (uvicorn, the real peer
 routes) and the loopback Hub: the Hub serves the model once for all of them; a peer that sends
@@ -11,8 +11,6 @@ import asyncio
 import base64
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +23,7 @@ from solar_host.events import PullProgress
 from solar_host.model_store.pieces import PIECE_BYTES, piece_count
 from tests.fixtures.fakehub import FakeHub, sha256_of
 from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.pull_child import kill_mid_pull
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
@@ -229,28 +228,21 @@ async def test_a_killed_swarm_pull_resumes_with_the_pieces_it_had(tmp_path, hub)
     hub.bytes_per_s = 8e6
     models = tmp_path / "c" / "models"
     env = {**os.environ, "MODEL_PEERS": "http://127.0.0.1:9", "PEER_TOKEN": TOKEN}
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tests.fixtures.pull_child", str(models), hub.url, json.dumps(BODY)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     record = models / ".partial" / "hf--acme--m" / ".cache" / "solar-host"
     record = record / "w.safetensors.swarm.pieces"
     kept = 0
-    try:
-        for _ in range(600):
-            if record.is_file():
-                try:
-                    kept = sum(c != "." for c in json.loads(record.read_text())["pieces"])
-                except (ValueError, KeyError):
-                    kept = 0
-                if kept >= 1:
-                    break
-            await asyncio.sleep(0.02)
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(30)
+
+    def a_piece_kept() -> bool:
+        nonlocal kept
+        try:
+            kept = sum(c != "." for c in json.loads(record.read_text())["pieces"])
+        except (OSError, ValueError, KeyError):
+            kept = 0
+        return kept >= 1
+
+    await asyncio.to_thread(
+        kill_mid_pull, models, hub.url, BODY, a_piece_kept, poll_s=0.02, env=env
+    )
     assert 1 <= kept < piece_count(SIZE)
     marks = json.loads(record.read_text())["pieces"]
     lengths = [min(PIECE_BYTES, SIZE - i * PIECE_BYTES) for i in range(piece_count(SIZE))]

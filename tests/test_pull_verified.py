@@ -10,10 +10,7 @@ import asyncio
 import hashlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,11 +22,11 @@ from solar_host.model_store import streaming
 from solar_host.model_store.pull import PullError
 from solar_host.settings import Settings
 from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.pull_child import kill_mid_pull
 from tests.test_model_store import make_store
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
-REPO = Path(__file__).resolve().parents[1]
 URI = "huggingface://acme/m"
 KEY = "k" * 20
 H = {"X-API-Key": KEY}
@@ -204,34 +201,6 @@ async def test_verify_checks_a_model_on_disk_again(host, capsys):
 # --- resumable ---------------------------------------------------------------------------------
 
 
-def _kill_mid_pull(models: Path, endpoint: str, started) -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fixtures.pull_child",
-            str(models),
-            endpoint,
-            json.dumps(hf()),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not started():
-            if proc.poll() is not None:
-                out, errs = proc.communicate(timeout=10)
-                raise AssertionError(f"the pull ended before the kill: {out!r} {errs[-2000:]!r}")
-            assert time.monotonic() < deadline, "the pull never got going"
-            time.sleep(0.01)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-
-
 async def test_a_host_killed_at_half_a_file_resumes_it_fetching_at_most_one_chunk_again(tmp_path):
     """SIGKILL when about half of a 4 MB file is on disk; the restarted host asks for the rest
     with a Range request. Over both runs the Hub served the file's size plus at most one chunk
@@ -246,7 +215,7 @@ async def test_a_host_killed_at_half_a_file_resumes_it_fetching_at_most_one_chun
         def half_on_disk() -> bool:
             return any(p.stat().st_size >= size // 2 for p in models.rglob("*.incomplete"))
 
-        await asyncio.to_thread(_kill_mid_pull, models, hub.url, half_on_disk)
+        await asyncio.to_thread(kill_mid_pull, models, hub.url, hf(), half_on_disk, poll_s=0.01)
         [part] = models.rglob("*.incomplete")
         kept = part.stat().st_size
         assert size // 2 <= kept < size
