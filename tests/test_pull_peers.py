@@ -11,97 +11,60 @@ import asyncio
 import hashlib
 import os
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
 import pytest
 
-from solar_host.events import PullProgress
-from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.host import API_KEY, host_settings, running_host
+from tests.fixtures.loopback_http import LoopbackHTTP
+from tests.fixtures.peers import (
+    CONFIG,
+    PEER_TOKEN,
+    URI,
+    hub_bytes,
+    peer_settings,
+    pull,
+    serving_model,
+    weights,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="loopback servers need Linux")
 
-TOKEN = "peer-secret-0123456789"
-URI = "huggingface://acme/m"
-BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": URI}
 SIZE = 2_000_000
 
 
 @pytest.fixture
 def hub(tmp_path):
-    repo = tmp_path / "hub" / "acme" / "m"
-    repo.mkdir(parents=True)
-    (repo / "config.json").write_text('{"model_type": "llama"}')
-    (repo / "w.safetensors").write_bytes(os.urandom(SIZE))
-    h = FakeHub(tmp_path / "hub").start()
-    yield h
-    h.stop()
+    with serving_model(tmp_path / "hub", SIZE) as h:
+        yield h
 
 
-def settings(tmp_path: Path, name: str, hub: FakeHub | str, peers: list[str]):
-    return host_settings(
-        tmp_path / name,
-        hf_endpoint=hub if isinstance(hub, str) else hub.url,
-        min_free_disk_gb=0,
-        pull_progress_interval_s=0.05,
-        peer_token=TOKEN,
-        model_peers=",".join(peers),
-    )
-
-
-class CorruptPeer:
+class CorruptPeer(LoopbackHTTP):
     """A 'host' that claims every file and serves random bytes of the size asked for."""
 
     def __init__(self, size: int) -> None:
-        size_ = size
+        self.size = size
+        self.serve()
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                data = os.urandom(size_)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def hub_bytes(hub: FakeHub) -> int:
-    return sum(hub.bytes_sent.values())
-
-
-async def pull(h, events: list[dict] | None = None) -> dict:
-    if events is not None:
-        h.host.bus.subscribe(lambda e: events.append(e.payload), PullProgress)
-    r = await h.client.post("/models/pull", json=BODY, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
+    def handle(self, request: BaseHTTPRequestHandler) -> None:
+        data = os.urandom(self.size)
+        request.send_response(200)
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
 
 
 async def test_three_hosts_take_the_model_from_the_hub_once(tmp_path, hub):
-    data = (hub.root / "acme" / "m" / "w.safetensors").read_bytes()
-    model_size = SIZE + len('{"model_type": "llama"}')
+    data = weights(hub).read_bytes()
+    model_size = SIZE + len(CONFIG)
     bad = CorruptPeer(SIZE)
     try:
-        async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+        async with running_host(peer_settings(tmp_path / "h1", hub.url)) as h1:
             await pull(h1)
             assert hub_bytes(hub) == model_size
-            async with running_host(settings(tmp_path, "h2", hub, [h1.url])) as h2:
+            async with running_host(peer_settings(tmp_path / "h2", hub.url, [h1.url])) as h2:
                 ev2: list[dict] = []
                 res2 = await pull(h2, ev2)
                 assert Path(res2["path"], "w.safetensors").read_bytes() == data
@@ -112,7 +75,7 @@ async def test_three_hosts_take_the_model_from_the_hub_once(tmp_path, hub):
                 down = hub.url
                 hub.stop()
                 peers3 = [bad.url, h1.url, h2.url]
-                async with running_host(settings(tmp_path, "h3", down, peers3)) as h3:
+                async with running_host(peer_settings(tmp_path / "h3", down, peers3)) as h3:
                     ev3: list[dict] = []
                     res3 = await pull(h3, ev3)
                     assert Path(res3["path"], "w.safetensors").read_bytes() == data
@@ -131,7 +94,7 @@ async def test_three_hosts_take_the_model_from_the_hub_once(tmp_path, hub):
 
 
 async def test_peer_routes_take_the_peer_token_and_nothing_else(tmp_path, hub):
-    async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+    async with running_host(peer_settings(tmp_path / "h1", hub.url)) as h1:
         await pull(h1)
         digest = h1.host.models.manifest.get(URI).file_digests["w.safetensors"]
         url = f"{h1.url}/peer/v1/files/{digest}"
@@ -140,7 +103,7 @@ async def test_peer_routes_take_the_peer_token_and_nothing_else(tmp_path, hub):
             assert (await c.get(url, headers={"X-API-Key": API_KEY})).status_code == 401
             bearer_key = {"Authorization": f"Bearer {API_KEY}"}
             assert (await c.get(url, headers=bearer_key)).status_code == 401
-            peer = {"Authorization": f"Bearer {TOKEN}"}
+            peer = {"Authorization": f"Bearer {PEER_TOKEN}"}
             r = await c.get(url, headers={**peer, "Range": "bytes=10-19"})
             assert r.status_code == 206 and len(r.content) == 10
             whole = Path(h1.host.models.manifest.get(URI).path, "w.safetensors").read_bytes()
@@ -170,14 +133,14 @@ async def test_peer_routes_take_the_peer_token_and_nothing_else(tmp_path, hub):
 
 
 async def test_a_pull_with_no_peer_that_has_the_model_takes_it_from_the_hub(tmp_path, hub):
-    async with running_host(settings(tmp_path, "h1", hub, [])) as h1:
+    async with running_host(peer_settings(tmp_path / "h1", hub.url)) as h1:
         async with running_host(
-            settings(tmp_path, "h2", hub, [h1.url, "http://127.0.0.1:9"])
+            peer_settings(tmp_path / "h2", hub.url, [h1.url, "http://127.0.0.1:9"])
         ) as h2:
             ev: list[dict] = []
             await asyncio.wait_for(pull(h2, ev), 60)
             assert "source" in {e.get("from") for e in ev}
-            assert hub_bytes(hub) == SIZE + len('{"model_type": "llama"}')
+            assert hub_bytes(hub) == SIZE + len(CONFIG)
 
 
 async def test_an_artifact_of_the_registry_is_taken_from_a_peer_too(tmp_path):
@@ -192,14 +155,7 @@ async def test_an_artifact_of_the_registry_is_taken_from_a_peer_too(tmp_path):
         return sum(1 for path, _ in registry.bad.seen_auth if "/blobs/" in path)
 
     def for_registry(name: str, peers: list[str]):
-        return host_settings(
-            tmp_path / name,
-            harbor_url=registry.url,
-            min_free_disk_gb=0,
-            pull_progress_interval_s=0.05,
-            peer_token=TOKEN,
-            model_peers=",".join(peers),
-        )
+        return peer_settings(tmp_path / name, None, peers, harbor_url=registry.url)
 
     try:
         async with running_host(for_registry("h1", [])) as h1:
@@ -214,45 +170,36 @@ async def test_an_artifact_of_the_registry_is_taken_from_a_peer_too(tmp_path):
         registry.stop()
 
 
-class HalfPeer(CorruptPeer):
+class HalfPeer(LoopbackHTTP):
     """Serves the first half of the true file, then closes the connection."""
 
     def __init__(self, data: bytes) -> None:
+        self.data = data
         self.served: list[int] = []
-        served = self.served
+        self.serve()
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                if hashlib.sha256(data).hexdigest() not in self.path:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data[: len(data) // 2])
-                self.close_connection = True
-                served.append(len(data) // 2)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    def handle(self, request: BaseHTTPRequestHandler) -> None:
+        data = self.data
+        if hashlib.sha256(data).hexdigest() not in request.path:
+            request.send_response(404)
+            request.send_header("Content-Length", "0")
+            request.end_headers()
+            return
+        request.send_response(200)
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data[: len(data) // 2])
+        request.close_connection = True
+        self.served.append(len(data) // 2)
 
 
 async def test_what_a_peer_that_failed_mid_file_sent_is_not_kept(tmp_path, hub):
     """A peer that drops the connection halfway: its bytes are cut from the part (nothing
     vouches for them), and the file comes whole from the Hub."""
-    data = (hub.root / "acme" / "m" / "w.safetensors").read_bytes()
+    data = weights(hub).read_bytes()
     half = HalfPeer(data)
     try:
-        async with running_host(settings(tmp_path, "h1", hub, [half.url])) as h1:
+        async with running_host(peer_settings(tmp_path / "h1", hub.url, [half.url])) as h1:
             res = await pull(h1)
             assert Path(res["path"], "w.safetensors").read_bytes() == data
             assert half.served == [SIZE // 2]  # asked first, and failed halfway
