@@ -25,22 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fixtures.fakehub import FakeHub, write_repo
-from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.host import running_host
+from tests.fixtures.peers import hub_bytes, peer_settings, pull, serving_model
 
 MB = 1_000_000
-TOKEN = "bench-peer-token-0123456789"
-BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": "huggingface://acme/m"}
-
-
-def hub_bytes(hub: FakeHub) -> int:
-    return sum(hub.bytes_sent.values())
 
 
 async def timed_pull(h) -> float:
     began = time.perf_counter()
-    r = await h.client.post("/models/pull", json=BODY, timeout=3600)
-    r.raise_for_status()
+    await pull(h, timeout=3600)
     return time.perf_counter() - began
 
 
@@ -53,14 +47,7 @@ def line(what: str, size: int, seconds: float, hub_sent: int) -> None:
 
 async def run(work: Path, hub: FakeHub, size: int) -> None:
     def settings(name: str, peers: list[str]):
-        return host_settings(
-            work / name,
-            hf_endpoint=hub.url,
-            min_free_disk_gb=0,
-            pull_progress_interval_s=1.0,
-            peer_token=TOKEN,
-            model_peers=",".join(peers),
-        )
+        return peer_settings(work / name, hub.url, peers, progress_s=1.0)
 
     print("1 host:")
     async with running_host(settings("solo", [])) as solo:
@@ -96,16 +83,13 @@ def main() -> None:
     ap.add_argument("--hub-mbps", type=float, default=50.0, help="Hub body rate, MB/s (0: any)")
     args = ap.parse_args()
     size = args.mb * MB
-    with tempfile.TemporaryDirectory(prefix="pull-peers-") as tmp:
-        work = Path(tmp)
-        write_repo(work / "hub", "m", size)
-        hub = FakeHub(work / "hub").start()
+    with (
+        tempfile.TemporaryDirectory(prefix="pull-peers-") as tmp,
+        serving_model(Path(tmp) / "hub", size) as hub,
+    ):
         hub.bytes_per_s = args.hub_mbps * MB or None
-        try:
-            print(f"model {args.mb} MB; Hub bodies at {args.hub_mbps or 'any'} MB/s per connection")
-            asyncio.run(run(work, hub, size))
-        finally:
-            hub.stop()
+        print(f"model {args.mb} MB; Hub bodies at {args.hub_mbps or 'any'} MB/s per connection")
+        asyncio.run(run(Path(tmp), hub, size))
 
 
 if __name__ == "__main__":

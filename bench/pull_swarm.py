@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import tempfile
 import time
@@ -30,32 +29,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solar_host.events import PullProgress
 from solar_host.model_store.pacing import RateCap
-from tests.fixtures.fakehub import FakeHub, write_repo
-from tests.fixtures.host import host_settings, running_host
+from tests.fixtures.fakehub import FakeHub
+from tests.fixtures.host import running_host
+from tests.fixtures.peers import (
+    hub_bytes,
+    introduce,
+    origins,
+    peer_settings,
+    pull,
+    running_hosts,
+    serving_model,
+)
 
 MB = 1_000_000
-TOKEN = "bench-peer-token-0123456789"
-BODY = {"source": "huggingface", "model_id": "acme/m", "source_uri": "huggingface://acme/m"}
 
 
-def hub_bytes(hub: FakeHub) -> int:
-    return sum(hub.bytes_sent.values())
-
-
-async def timed_pull(h, origins: dict[str, int]) -> float:
-    def seen(e) -> None:
-        got = e.payload.get("bytes_from")
-        if got:
-            origins.clear()
-            origins.update(got)
-
-    h.host.bus.subscribe(seen, PullProgress)
+async def timed_pull(h, got: dict[str, int]) -> float:
+    """The pull's wall time; where its bytes came from into `got`."""
+    events: list[dict] = []
     began = time.perf_counter()
-    r = await h.client.post("/models/pull", json=BODY, timeout=3600)
-    r.raise_for_status()
-    return time.perf_counter() - began
+    await pull(h, events, timeout=3600)
+    took = time.perf_counter() - began
+    got.update(origins(events))
+    return took
 
 
 async def run(work: Path, hub: FakeHub, size: int, rate: float, n: int) -> None:
@@ -64,13 +61,8 @@ async def run(work: Path, hub: FakeHub, size: int, rate: float, n: int) -> None:
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=8 * n))
 
     def settings(name: str):
-        return host_settings(
-            work / name,
-            hf_endpoint=hub.url,
-            min_free_disk_gb=0,
-            pull_progress_interval_s=1.0,
-            peer_token=TOKEN,
-            peer_max_upload_bytes_per_s=int(rate),
+        return peer_settings(
+            work / name, hub.url, progress_s=1.0, peer_max_upload_bytes_per_s=int(rate)
         )
 
     async with running_host(settings("solo")) as solo:
@@ -81,16 +73,12 @@ async def run(work: Path, hub: FakeHub, size: int, rate: float, n: int) -> None:
         f"  1 host alone from the Hub:   {alone:7.2f} s  {size / alone / MB:6.2f} MB/s   "
         f"Hub bytes {sent / size:.3f}x the model"
     )
-    async with contextlib.AsyncExitStack() as stack:
-        hosts = [await stack.enter_async_context(running_host(settings(f"h{i}"))) for i in range(n)]
-        for h in hosts:  # every host names all the others (their ports are known now)
-            h.host.settings.model_peers = ",".join(o.url for o in hosts if o is not h)
+    async with running_hosts(settings(f"h{i}") for i in range(n)) as hosts:
+        introduce(hosts)  # every host names all the others (their ports are known now)
         before = hub_bytes(hub)
-        origins: list[dict[str, int]] = [{} for _ in hosts]
+        froms: list[dict[str, int]] = [{} for _ in hosts]
         began = time.perf_counter()
-        times = await asyncio.gather(
-            *(timed_pull(h, o) for h, o in zip(hosts, origins, strict=True))
-        )
+        times = await asyncio.gather(*(timed_pull(h, o) for h, o in zip(hosts, froms, strict=True)))
         swarm = time.perf_counter() - began
         sent = hub_bytes(hub) - before
         print(
@@ -98,28 +86,24 @@ async def run(work: Path, hub: FakeHub, size: int, rate: float, n: int) -> None:
             f"in all   Hub bytes {sent / size:.3f}x the model (target <= 1.01x)"
         )
         print(f"  swarm / alone: {swarm / alone:.2f}x (target <= 1.5x)")
-        show(hosts, times, origins)
+        show(hosts, times, froms)
         # Host 0 has the model now; n - 1 new hosts join it at once.
-        joiners = [
-            await stack.enter_async_context(running_host(settings(f"j{i}"))) for i in range(1, n)
-        ]
-        for h in joiners:
-            h.host.settings.model_peers = ",".join(
-                o.url for o in [hosts[0], *joiners] if o is not h
+        async with running_hosts(settings(f"j{i}") for i in range(1, n)) as joiners:
+            introduce(joiners, among=[hosts[0], *joiners])
+            before = hub_bytes(hub)
+            froms = [{} for _ in joiners]
+            began = time.perf_counter()
+            times = await asyncio.gather(
+                *(timed_pull(h, o) for h, o in zip(joiners, froms, strict=True))
             )
-        before = hub_bytes(hub)
-        origins = [{} for _ in joiners]
-        began = time.perf_counter()
-        times = await asyncio.gather(
-            *(timed_pull(h, o) for h, o in zip(joiners, origins, strict=True))
-        )
-        joined = time.perf_counter() - began
-        sent = hub_bytes(hub) - before
-        print(
-            f"  {n - 1} hosts join one that has it: {joined:7.2f} s ({joined / alone:.2f}x alone; "
-            f"{n - 1:d}x alone if it were the one uploader)   Hub bytes {sent / size:.3f}x"
-        )
-        show([hosts[0], *joiners], [0.0, *times], [{}, *origins], skip_first=True)
+            joined = time.perf_counter() - began
+            sent = hub_bytes(hub) - before
+            print(
+                f"  {n - 1} hosts join one that has it: {joined:7.2f} s "
+                f"({joined / alone:.2f}x alone; {n - 1:d}x alone if it were the one uploader)"
+                f"   Hub bytes {sent / size:.3f}x"
+            )
+            show([hosts[0], *joiners], [0.0, *times], [{}, *froms], skip_first=True)
 
 
 def show(hosts, times, origins, *, skip_first: bool = False) -> None:
@@ -142,18 +126,13 @@ def main() -> None:
     args = ap.parse_args()
     size = args.mb * MB
     rate = args.mbps * MB
-    with tempfile.TemporaryDirectory(prefix="pull-swarm-") as tmp:
-        work = Path(tmp)
-        write_repo(work / "hub", "m", size)
-        hub = FakeHub(work / "hub").start()
+    with (
+        tempfile.TemporaryDirectory(prefix="pull-swarm-") as tmp,
+        serving_model(Path(tmp) / "hub", size) as hub,
+    ):
         hub.total = RateCap(rate)
-        try:
-            print(
-                f"model {args.mb} MB; the Hub's uplink and each host's upload at {args.mbps} MB/s"
-            )
-            asyncio.run(run(work, hub, size, rate, args.hosts))
-        finally:
-            hub.stop()
+        print(f"model {args.mb} MB; the Hub's uplink and each host's upload at {args.mbps} MB/s")
+        asyncio.run(run(Path(tmp), hub, size, rate, args.hosts))
 
 
 if __name__ == "__main__":
