@@ -245,18 +245,11 @@ def test_a_crash_found_at_re_adoption_has_its_spawn_time(tmp_path: Path) -> None
     """A running backend that stopped serving while no host ran (it exec'd a program that
     listens nowhere): the next host adopts it and records its end as a crash, with the time it
     was spawned (its record was gone by then; the kernel's start time says it)."""
-    from solar_host.instances import ownership
     from tests import test_hostile_backend as hb
     from tests.fixtures.waiting import wait_for
 
     with hb.hostile_host(tmp_path) as h:
-        h.start()
-        with h.client() as c:
-            iid, _ = hb.create(c, h, "exec", "--exec-after", "0.5")
-            first = hb.start(c, iid)
-            wait_for(lambda: ownership.cmdline_of(first["pid"])[:1] == ["sleep"], 10, "the exec")
-        h.kill()
-        h.start()
+        iid, _, first = hb.exec_while_no_host_ran(h)
         with h.client() as c:
 
             def crash_record() -> dict[str, Any] | None:

@@ -92,6 +92,20 @@ def start(c: httpx.Client, iid: str) -> dict[str, Any]:
     return r.json()["instance"]
 
 
+def exec_while_no_host_ran(h: HostProc) -> tuple[str, Path, dict[str, Any]]:
+    """A running backend that exec'd a program listening nowhere (same pid, start time and
+    marker) while its host was SIGKILLed, and the host started again: (instance id, its pids
+    file, the instance as first started)."""
+    h.start()
+    with h.client() as c:
+        iid, pids = create(c, h, "exec", "--exec-after", "0.5")
+        first = start(c, iid)
+        wait_for(lambda: ownership.cmdline_of(first["pid"])[:1] == ["sleep"], 10, "the exec")
+    h.kill()
+    h.start()
+    return iid, pids, first
+
+
 def worker_of(pids: Path) -> int:
     return wait_for(lambda: pids_in(pids).get("worker", [None])[0], 10, "the worker")
 

@@ -66,13 +66,7 @@ def test_a_running_backend_that_stopped_serving_while_no_host_ran_is_a_crash(
     has a moment to show its socket, and is then a crash like any other: ended, said so, and
     restarted under the restart policy."""
     with hb.hostile_host(tmp_path) as h:
-        h.start()
-        with h.client() as c:
-            iid, pids = hb.create(c, h, "exec", "--exec-after", "0.5")
-            first = hb.start(c, iid)
-            wait_for(lambda: ownership.cmdline_of(first["pid"])[:1] == ["sleep"], 10, "the exec")
-        h.kill()
-        h.start()
+        iid, pids, first = hb.exec_while_no_host_ran(h)
         with h.client() as c:
             seen: list[dict] = []
 
