@@ -133,6 +133,15 @@ async def reserve_port(
     return await off_loop(ports.allocate, config.host, kept_by_others, undo=ports.release)
 
 
+def drop_claim(claim: asyncio.Task[int], ports: PortAllocator) -> None:
+    """A port claimed (reserve_port, in a task) for a start that goes no further: given back.
+    One still being claimed is cancelled, and gives it back itself once claimed (off_loop)."""
+    if not claim.done():
+        claim.cancel()
+    elif not claim.cancelled() and claim.exception() is None:
+        ports.release(claim.result())
+
+
 def launch_context(
     settings: Settings, instance_id: str, port: int, api_key: str, facts: HostFacts
 ) -> LaunchContext:
@@ -213,15 +222,20 @@ class Unprepared(AttemptFailed):
 
 
 async def spawn(
-    make_spec: Callable[[], LaunchSpec],
-    environ: Callable[[LaunchSpec], dict[str, str]],
-    log_path: Path,
+    backend: Backend,
+    config: BackendConfigBase,
+    launch: LaunchContext,
     settings: Settings,
+    facts: HostFacts,
+    log_path: Path,
+    marks: dict[str, Any],
+    *,
+    adjust: Callable[[LaunchSpec], None],
 ) -> procs.BackendProcess:
-    """Check and build the launch (`make_spec`, as `prepare`: Unprepared when it refuses), its
-    environment (`environ`), the backend's private files, and spawn it, confined as the
-    settings say: one trip off the loop for all of it. AttemptFailed when it cannot run
-    (confinement required but unavailable: not retried)."""
+    """Check and build the launch (`prepare`, then `adjust`: Unprepared when they refuse), its
+    environment (with `marks`, see `environment`), the backend's private files, and spawn it,
+    confined as the settings say: one trip off the loop for all of it. AttemptFailed when it
+    cannot run (confinement required but unavailable: not retried)."""
 
     # Off the loop: the checks read the model's files, fork/exec of a large host takes
     # milliseconds (200 starts: seconds). In a thread that ends with the spawn: a confined
@@ -231,10 +245,13 @@ async def spawn(
     # check judged, never one beside wherever the host was started (ruling 12).
     def run() -> procs.BackendProcess:
         try:
-            spec = make_spec()
+            spec = prepare(backend, config, launch, settings, facts)
+            adjust(spec)
         except (LaunchError, ValueError, OSError, RuntimeError) as err:
             raise Unprepared(str(err)) from None
-        env = environ(spec)
+        for w in spec.warnings:
+            log.warning("%s: %s", config.alias, w)
+        env = environment(spec, settings, **marks)
         try:
             if spec.private_files:  # each written with an fsync
                 write_private_files(spec.private_files)

@@ -232,24 +232,11 @@ class Supervisor:
         START_DEADLINE_S from now). An adopted start that failed passes what it has left.
         `undo_intent`: the caller recorded want_running for this start (_begin_start); a start
         refused before anything ran takes it back."""
-        placed = self.instance.placed_devices
+        claim: asyncio.Task[int] | None = self._claim_port()  # while the fit check runs
         try:
-            try:
-                await admit_start(self)  # fit check and placement: 409 before anything is spawned
-            except Exception:
-                await self.intent.on_disk()  # its save failed: 507 rather than 409
-                raise
-            await self.intent.on_disk()
-        except NotPersisted:
-            self.instance.placed_devices = placed  # nothing of this start is left, nor its hold
-            end_start(self)
-            raise
-        except Exception:
-            if undo_intent:
-                self.stored.want_running = False
-                await self.ctx.persist()
-            if not restart:
-                await self.nothing_due()
+            await self._admit(undo_intent, restart)
+        except BaseException:
+            launch.drop_claim(claim, self.ctx.ports)
             raise
         token = instance_id_var.set(self.id)
         settings = self.ctx.settings
@@ -265,8 +252,10 @@ class Supervisor:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                first, claim = claim, None  # its port, claimed already
+                timeout = min(settings.instance_ready_timeout_s, remaining)
                 try:
-                    await self._attempt(attempt, min(settings.instance_ready_timeout_s, remaining))
+                    await self._attempt(attempt, timeout, first)
                 except AttemptFailed as err:
                     last = err
                     if await self._attempt_failed(err, attempt, attempts, deadline, restart):
@@ -289,8 +278,39 @@ class Supervisor:
                 await self.nothing_due()
             raise
         finally:
+            if claim is not None:  # out of time before the first attempt
+                launch.drop_claim(claim, self.ctx.ports)
             end_start(self)
             instance_id_var.reset(token)
+
+    async def _admit(self, undo_intent: bool, restart: bool) -> None:
+        """The fit check and placement (409 before anything is spawned), then the start's
+        intent on disk (507, rather than a 409, when its save failed; nothing of it is left)."""
+        placed = self.instance.placed_devices
+        try:
+            try:
+                await admit_start(self)
+            except Exception:
+                await self.intent.on_disk()
+                raise
+            await self.intent.on_disk()
+        except NotPersisted:
+            self.instance.placed_devices = placed
+            end_start(self)  # its hold goes too
+            raise
+        except Exception:
+            if undo_intent:
+                self.stored.want_running = False
+                await self.ctx.persist()
+            if not restart:
+                await self.nothing_due()
+            raise
+
+    def _claim_port(self) -> asyncio.Task[int]:
+        """An attempt's port (launch.reserve_port), claimed in a task of its own."""
+        ctx, kept = self.ctx, self.ctx.ports_kept_by_others(self.id)
+        claim = launch.reserve_port(ctx.ports, self.instance.config, self.stored.last_port, kept)
+        return asyncio.ensure_future(claim)
 
     async def _attempt_failed(
         self, err: AttemptFailed, attempt: int, attempts: int, deadline: float, restart: bool
@@ -359,20 +379,15 @@ class Supervisor:
     def bearer(self) -> str:
         return self.ctx.api_key()
 
-    async def _attempt(self, attempt: int, timeout: float) -> None:
-        """One attempt of a start: port, checks, spawn, readiness (AttemptFailed otherwise)."""
+    async def _attempt(self, attempt: int, timeout: float, claim: asyncio.Task[int] | None) -> None:
+        """One attempt of a start: port (`claim`), checks, spawn, readiness (or AttemptFailed)."""
         settings = self.ctx.settings
         self.ctx.idle_logs.busy(self.id)
         config = self.instance.config
         backend = self.backend()
         self.attempt_spawned_at = None
         try:
-            port = await launch.reserve_port(
-                self.ctx.ports,
-                config,
-                self.stored.last_port,
-                self.ctx.ports_kept_by_others(self.id),
-            )
+            port = await (claim or self._claim_port())
         except InstanceConflict as err:  # not retried: said in its flight record, then 409
             await flight.refused(self, err.detail, attempt + 1)
             raise
@@ -394,21 +409,8 @@ class Supervisor:
         )
         key_hash = self.ctx.key_hash(api_key)
         spawn_id = ownership.new_spawn_id()
-        marker = self.ctx.marker(self.id)
-        launch_ctx = launch.launch_context(settings, self.id, port, api_key, facts)
-
-        def make_spec() -> LaunchSpec:  # in the spawning thread (launch.spawn)
-            spec = launch.prepare(backend, config, launch_ctx, settings, facts)
-            apply_placement(self, spec)
-            for w in spec.warnings:
-                log.warning("%s: %s", config.alias, w)
-            return spec
-
-        def environ(spec: LaunchSpec) -> dict[str, str]:
-            return launch.environment(
-                spec, settings, marker=marker, port=port, key_hash=key_hash, spawn_id=spawn_id
-            )
-
+        ids = dict(marker=self.ctx.marker(self.id), port=port, key_hash=key_hash, spawn_id=spawn_id)
+        where = launch.launch_context(settings, self.id, port, api_key, facts)
         if self.deleted:
             self.ctx.ports.release(port)
             raise AttemptFailed("the instance was deleted", None, retryable=False)
@@ -416,7 +418,9 @@ class Supervisor:
         self.telemetry.reset(backend.new_parser(config))
         spawned_at = time.monotonic()
         try:
-            proc = await launch.spawn(make_spec, environ, log_path, settings)
+            proc = await launch.spawn(
+                backend, config, where, settings, facts, log_path, ids, adjust=self._place
+            )
         except AttemptFailed as err:
             self.ctx.ports.release(port)
             if isinstance(err, launch.Unprepared):
@@ -435,6 +439,9 @@ class Supervisor:
             seq_base=self.ring.next_seq,
         )
         await self._until_ready(proc, backend, config, port, timeout, spawned_at, log_path)
+
+    def _place(self, spec: LaunchSpec) -> None:
+        apply_placement(self, spec)  # in the spawning thread (launch.spawn)
 
     async def _until_ready(
         self,
