@@ -16,13 +16,18 @@ from tests.fixtures.host import host_settings, running_host
 from tests.test_lifecycle_fake import cfg, create, registry
 
 
-def backends_of(marker_dir: Path) -> list[psutil.Process]:
-    """The scripted backends this test process spawned (its children running fake_backend)."""
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if "fake_backend.py" in " ".join(p.cmdline()) and str(marker_dir) in " ".join(p.cmdline())
-    ]
+def backends_of(tmp: Path) -> list[psutil.Process]:
+    """The scripted backends of this test still running (children running fake_backend with
+    a model under `tmp`; an exited one, a zombie until reaped, is none)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(p.cmdline())
+        except psutil.Error:  # gone, or a zombie
+            continue
+        if "fake_backend.py" in line and str(tmp) in line:
+            found.append(p)
+    return found
 
 
 def on_disk(config_file: Path, iid: str) -> dict:
@@ -97,7 +102,7 @@ async def test_a_stop_issued_while_the_intent_is_saved_is_the_last_word_on_disk(
         entry = on_disk(settings.config_file, iid)
         assert not entry.get("want_running") and entry["instance"]["status"] == "stopped"
         for _ in range(100):
-            if not [p for p in backends_of(tmp_path) if p.status() != "zombie"]:
+            if not backends_of(tmp_path):
                 break
             await asyncio.sleep(0.05)
-        assert not [p for p in backends_of(tmp_path) if p.status() != "zombie"]
+        assert not backends_of(tmp_path)
