@@ -60,6 +60,13 @@ class Intent:
                 self._pending = None
 
     async def on_disk(self) -> None:
-        """The start's save awaited (nothing when it made none): NotPersisted if it failed."""
-        if self._pending is not None:
-            await asyncio.shield(self._pending)
+        """The start's save awaited (nothing when it made none): NotPersisted if it failed.
+        Once ended it is forgotten: a later start (a crash restart) has none of its own."""
+        task = self._pending
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._pending is task:
+                self._pending = None
