@@ -26,6 +26,7 @@ import pytest
 from tests.fixtures.fakehub import FakeHub
 from tests.fixtures.gguf import write_tiny_gguf
 from tests.fixtures.host import free_port
+from tests.fixtures.ports import backend_start_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -139,7 +140,7 @@ def _run_path(tmp_path: Path, hub: FakeHub, install: str) -> subprocess.Complete
         "HOME": str(tmp_path),
         "LANG": "C.UTF-8",
         "PORT": str(free_port()),
-        "START_PORT": str(21000 + (abs(hash(str(tmp_path))) % 20000)),
+        "START_PORT": str(backend_start_port(str(tmp_path))),
         "HF_ENDPOINT": hub.url,
         "GGUF": str(gguf),
         TAG_VAR: tag,
