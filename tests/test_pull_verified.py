@@ -131,7 +131,10 @@ async def test_a_file_whose_bytes_are_not_its_digest_fails_the_pull_naming_it(tm
         assert [e["phase"] for e in events if e["phase"] in ("completed", "failed")] == ["failed"]
         assert store.list_models() == [] and not (store.models_dir / "hf--acme--m").exists()
         left = [p for p in (store.models_dir / ".partial").rglob("*") if p.is_file()]
-        assert [p.name for p in left] == ["config.json"]  # checked: kept for the next pull
+        # The file that failed is gone; the other is kept for the next pull: checked, or as its
+        # resumable part when the failure stopped it in flight (files come 3 at a time, and the
+        # first failure stops the others: under load config.json may not be done by then).
+        assert [p.name for p in left] in (["config.json"], ["config.json.incomplete"])
         hub.corrupt = set()
         res = await store.pull(hf())
         assert Path(res["path"], "w.safetensors").read_bytes() == weights
