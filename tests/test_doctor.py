@@ -39,7 +39,7 @@ async def test_all_checks_pass_exit_0(
         rc = await asyncio.to_thread(doctor.run, s, out=out, probe=FakeProbe(gpus=[(24, 1)]))
     text = out.getvalue()
     assert rc == 0, text
-    assert "12/12 checks passed" in text and "FAIL" not in text
+    assert "13/13 checks passed" in text and "FAIL" not in text
     assert "llamacpp" in text and "sglang" in text  # the table lists every backend type
     assert "Fake NVIDIA GPU" in text
 
@@ -160,6 +160,34 @@ def test_read_confinement_check_follows_the_kernel_and_the_mode(
     assert first.ok and "unconfined" in first.detail
     off = doctor.check_confinement(host_settings(tmp_path, backend_read_confinement="off"), abi=7)
     assert off.ok and "off" in off.detail
+
+
+def test_backend_ports_inside_the_outgoing_range_are_a_warning(tmp_path: Path) -> None:
+    """An instance's port in the kernel's range for outgoing connections can be taken by a
+    client socket while its backend restarts (a TIME_WAIT on it moved a test's instance)."""
+    outgoing = (32768, 60999)
+    fine = doctor.check_backend_ports(host_settings(tmp_path, start_port=3500), outgoing)
+    assert fine.ok and not fine.warning and "3500" in fine.detail
+    for start in (32700, 40000, 60999):
+        near = doctor.check_backend_ports(host_settings(tmp_path, start_port=start), outgoing)
+        assert near.ok and near.warning, near
+        assert str(start) in near.detail and "32768-60999" in near.detail
+        assert "START_PORT below 32668" in near.fix
+    above = doctor.check_backend_ports(host_settings(tmp_path, start_port=61000), outgoing)
+    assert above.ok and not above.warning
+
+
+def test_the_outgoing_port_range_is_read_from_the_kernel(tmp_path: Path) -> None:
+    from solar_host.instances.ports import LINUX_EPHEMERAL_RANGE, ephemeral_port_range
+
+    low, high = ephemeral_port_range()
+    assert 0 < low <= high <= 65535
+    given = tmp_path / "range"
+    given.write_text("10000\t20000\n")
+    assert ephemeral_port_range(given) == (10000, 20000)
+    given.write_text("garbage")
+    assert ephemeral_port_range(given) == LINUX_EPHEMERAL_RANGE
+    assert ephemeral_port_range(tmp_path / "missing") == LINUX_EPHEMERAL_RANGE
 
 
 def test_host_state_that_backends_may_write_is_a_warning(

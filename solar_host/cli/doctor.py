@@ -163,6 +163,30 @@ def check_port(settings: Settings, key: str, timeout: float = 3.0) -> Check:
     return Check("port", True, f"a solar-host {root.get('version')} serves on {settings.port}")
 
 
+# Ports above START_PORT that a host's instances usually take (one each).
+INSTANCE_PORTS_SPAN = 100
+
+
+def check_backend_ports(settings: Settings, ephemeral: tuple[int, int] | None = None) -> Check:
+    """START_PORT and the ports above it stay clear of the kernel's range for outgoing
+    connections: there, a client socket may take an instance's port while its backend
+    restarts, and the instance comes back on another port (a saved URL then misses it)."""
+    from solar_host.instances.ports import ephemeral_port_range
+
+    low, high = ephemeral if ephemeral is not None else ephemeral_port_range()
+    first, last = settings.start_port, settings.start_port + INSTANCE_PORTS_SPAN - 1
+    if last < low or first > high:
+        return Check("backend ports", True, f"from {first}, outside {low}-{high} (outgoing)")
+    return Check(
+        "backend ports",
+        True,
+        f"START_PORT {first} is within {INSTANCE_PORTS_SPAN} of the kernel's ports for outgoing "
+        f"connections ({low}-{high}): an instance may lose its port to one while it restarts",
+        f"set START_PORT below {max(low - INSTANCE_PORTS_SPAN, 1)} (the default is 3500)",
+        warning=True,
+    )
+
+
 def _writable(path: Path) -> tuple[bool, str]:
     """Whether `path` is (or can be created as) a writable directory; what was found."""
     p = path.absolute()
@@ -425,6 +449,7 @@ def diagnose(
         backends_check,
         check_api_key(settings, env_file),
         check_port(settings, _key(settings)[0]),
+        check_backend_ports(settings),
         *check_directories(settings),
         check_disk(settings, probe),
         check_gpu(probe),

@@ -7,8 +7,23 @@ import errno
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from solar_host.instances import ownership
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_EPHEMERAL_RANGE = (32768, 60999)  # the kernel's default
+
+
+def ephemeral_port_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (ip_local_port_range). A backend's port
+    inside it can be taken, while the backend restarts, by any client socket on the machine
+    (one in TIME_WAIT holds it for a minute), and the instance then moves to another port."""
+    try:
+        low, high = (int(v) for v in path.read_text().split()[:2])
+    except (OSError, ValueError):
+        return LINUX_EPHEMERAL_RANGE
+    return low, high
 
 
 def port_is_free(
