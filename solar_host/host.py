@@ -10,8 +10,9 @@ import contextlib
 import logging
 import secrets
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from solar_host.events import EventBus
 from solar_host.platform.logging_setup import add_secrets
@@ -54,12 +55,24 @@ def resolve_api_key(settings: Settings) -> tuple[str, bool]:
     return key, True
 
 
-@dataclass
-class _Lifecycle:
-    """Adapter for services whose start/stop names are taken by their domain (instances)."""
+class Lifecycle(Protocol):
+    """What the host starts (in order) and stops (in reverse)."""
 
-    start: Any
-    stop: Any
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+# Reads a service's state files before anything starts; raises StateFileError when damaged.
+StateLoader = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Hooks:
+    """Lifecycle for services whose start/stop names are taken by their domain (instances)."""
+
+    start: Callable[[], Awaitable[None]]
+    stop: Callable[[], Awaitable[None]]
 
 
 @dataclass
@@ -72,8 +85,10 @@ class Host:
     api_key: str = ""
     started: bool = False
     services: dict[str, Any] = field(default_factory=dict)
-    # Objects with async start()/stop(), started in this order and stopped in reverse.
-    lifecycle: list[Any] = field(default_factory=list)
+    # Started in this order and stopped in reverse.
+    lifecycle: list[Lifecycle] = field(default_factory=list)
+    # Run in this order before anything starts.
+    state_loaders: list[StateLoader] = field(default_factory=list)
     state_lock: StateLock | None = None
     _models_disk: BackgroundReading | None = field(default=None, repr=False)
 
@@ -95,12 +110,20 @@ class Host:
             return services[name]
         raise AttributeError(name)
 
-    def add(self, name: str, service: Any, *, lifecycle: bool = True) -> Any:
+    def add(
+        self,
+        name: str,
+        service: Any,
+        *,
+        lifecycle: Lifecycle | None = None,
+        load_state: StateLoader | None = None,
+    ) -> Any:
+        """Register `service` under `name`; the caller says what the host must do with it."""
         self.services[name] = service
-        if lifecycle and hasattr(service, "startup"):
-            self.lifecycle.append(_Lifecycle(service.startup, service.shutdown))
-        elif lifecycle and hasattr(service, "start"):
-            self.lifecycle.append(service)
+        if load_state is not None:
+            self.state_loaders.append(load_state)
+        if lifecycle is not None:
+            self.lifecycle.append(lifecycle)
         return service
 
     def prepare(self) -> None:
@@ -180,10 +203,7 @@ class Host:
         here, before anything is written or any process touched (statefiles.py)."""
         from solar_host.platform.statefiles import StateFileError
 
-        for service in self.services.values():
-            load = getattr(service, "load_state", None)
-            if load is None:
-                continue
+        for load in self.state_loaders:
             try:
                 await load()
             except StateFileError as err:
@@ -206,22 +226,23 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     from solar_host.instances.manager import InstanceManager
 
     backends = overrides.pop("backends", None) or BackendRegistry.default()
-    host.add("backends", backends, lifecycle=False)
+    host.add("backends", backends)
 
     # --- resources (ledger, usage) ----------------------------------------------------------
     from solar_host.resources.service import ResourceService
 
-    resources = host.add("resources", ResourceService(settings, bus=host.bus, probe=host.probe))
+    resources = ResourceService(settings, bus=host.bus, probe=host.probe)
+    host.add("resources", resources, lifecycle=resources, load_state=resources.load_state)
     # --- model store ------------------------------------------------------------------------
     from solar_host.model_store.service import ModelStore
 
     store = overrides.pop("models", None) or ModelStore(settings, bus=host.bus, probe=host.probe)
-    host.add("models", store)
+    host.add("models", store, lifecycle=store)
     # --- jobs ----------------------------------------------------------------------------------
     from solar_host.jobs.service import JobService
 
     jobs = overrides.pop("jobs", None) or JobService(settings, bus=host.bus, probe=host.probe)
-    host.add("jobs", jobs)
+    host.add("jobs", jobs, lifecycle=jobs, load_state=jobs.load_state)
 
     manager = overrides.pop("instances", None) or InstanceManager(
         settings=settings,
@@ -230,7 +251,12 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         probe=host.probe,
         api_key=host.key,
     )
-    host.add("instances", manager)
+    host.add(
+        "instances",
+        manager,
+        lifecycle=Hooks(manager.startup, manager.shutdown),
+        load_state=manager.load_state,
+    )
 
     # --- estimates: the fit check and GPU placement of every start ---------------------------
     from solar_host.estimates.capacity import CapacityGate
@@ -251,20 +277,17 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         margin=lambda: settings.measured_memory_margin,
         version=lambda bt: backend_version(bt, settings.llama_server_bin),
     )
-    host.add(
-        "memory",
-        MemorySampler(
-            manager=manager,
-            probe=host.probe,
-            store=measurements,
-            bus=host.bus,
-            interval_s=lambda: settings.memory_sample_interval_s,
-            drift_share=lambda: settings.memory_drift_share,
-        ),
+    sampler = MemorySampler(
+        manager=manager,
+        probe=host.probe,
+        store=measurements,
+        bus=host.bus,
+        interval_s=lambda: settings.memory_sample_interval_s,
+        drift_share=lambda: settings.memory_drift_share,
     )
+    host.add("memory", sampler, lifecycle=sampler, load_state=sampler.load_state)
     resources.loading = manager.capacity.holds
     # A flight record's peak memory: what the sampler saw of the backend's tree.
-    sampler = host.services["memory"]
     manager.ctx.peak_memory = lambda iid: (sampler.view(iid) or {}).get("peak_bytes")
     # The store answers "which files are in use" and "where did a pull put this source".
     store.in_use = manager.models_in_use
@@ -273,12 +296,14 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     # --- metrics ----------------------------------------------------------------------------------
     from solar_host.metrics.service import HostMetrics
 
-    host.add("metrics", overrides.pop("metrics", None) or HostMetrics(host))
+    metrics = overrides.pop("metrics", None) or HostMetrics(host)
+    host.add("metrics", metrics, lifecycle=metrics)
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:
         from solar_host.control.client import ControlLink
 
-        host.add("control", ControlLink(host))
+        link = ControlLink(host)
+        host.add("control", link, lifecycle=link)
 
     for name, service in overrides.items():
         host.services[name] = service

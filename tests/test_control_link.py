@@ -263,14 +263,14 @@ def make_host(tmp_path: Path, urls: str, **settings: Any) -> Host:
     values.update(settings)
     host = Host(settings=Settings(**values), probe=LiveProbe())
     host.api_key = KEY
-    host.add("instances", FakeInstances(host.bus), lifecycle=False)
-    host.add("resources", FakeResources(), lifecycle=False)
+    host.add("instances", FakeInstances(host.bus))
+    host.add("resources", FakeResources())
     return host
 
 
 async def started_link(host: Host, **kw: Any) -> ControlLink:
     link = ControlLink(host, **kw)
-    host.add("control", link, lifecycle=False)
+    host.add("control", link)
     await link.start()
     return link
 
@@ -320,7 +320,7 @@ async def link_factory():
 
 async def test_pending_approve_ack_then_full_sync(tmp_path, server, link_factory):
     host = make_host(tmp_path, server.url + "/ws/host-channel", health_report_interval_s=0.3)
-    host.add("jobs", FakeJobs(), lifecycle=False)
+    host.add("jobs", FakeJobs())
     await host.instances.create(
         {"backend_type": "llamacpp", "alias": "tiny:1b", "model": "/m.gguf"}
     )
