@@ -45,13 +45,24 @@ async def test_a_start_whose_intent_cannot_be_saved_leaves_nothing_behind(tmp_pa
         real_write = svc.store._write
         failing = threading.Event()
         failing.set()
+        claiming = threading.Event()
 
         def write(data: bytes) -> None:  # in the writer's thread, as the real one
             if failing.is_set():
+                claiming.wait(5)  # the port's claim is under way when the save fails
                 raise OSError(errno.ENOSPC, "No space left on device")
             real_write(data)
 
         svc.store._commits._write = write  # the writer's thread calls it
+        real_allocate = svc.ports.allocate
+
+        def slow_allocate(host: str, avoid: set[int] | None = None) -> int:
+            port = real_allocate(host, avoid)
+            claiming.set()
+            time.sleep(0.5)  # a loaded machine: the claim's thread ends after the save failed
+            return port
+
+        svc.ports.allocate = slow_allocate
         r = await h.client.post(f"/instances/{iid}/start")
         assert r.status_code == 507, r.text
         assert "No space left on device" in r.json()["detail"]

@@ -79,6 +79,10 @@ def _disposable_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return fut
 
 
+# A claim's bind check takes microseconds; a refused start waits this long at most for it.
+CLAIM_END_WAIT_S = 5.0
+
+
 async def off_loop(
     fn: Callable[..., T], *args: Any, undo: Callable[[T], Any], disposable: bool = False
 ) -> T:
@@ -133,12 +137,16 @@ async def reserve_port(
     return await off_loop(ports.allocate, config.host, kept_by_others, undo=ports.release)
 
 
-def drop_claim(claim: asyncio.Task[int], ports: PortAllocator) -> None:
-    """A port claimed (reserve_port, in a task) for a start that goes no further: given back.
-    One still being claimed is cancelled, and gives it back itself once claimed (off_loop)."""
+async def drop_claim(claim: asyncio.Task[int], ports: PortAllocator) -> None:
+    """A port claimed (reserve_port, in a task) for a start that goes no further: given back
+    before the start's refusal is answered. One still being claimed is cancelled, and gives
+    it back itself once its thread's bind check ends (off_loop), which is awaited, bounded."""
     if not claim.done():
         claim.cancel()
-    elif not claim.cancelled() and claim.exception() is None:
+        await asyncio.wait({claim}, timeout=CLAIM_END_WAIT_S)
+        if not claim.done():  # a bind check stuck in the kernel: it gives the port back later
+            return
+    if not claim.cancelled() and claim.exception() is None:
         ports.release(claim.result())
 
 

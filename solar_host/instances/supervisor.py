@@ -236,7 +236,7 @@ class Supervisor:
         try:
             await self._admit(undo_intent, restart)
         except BaseException:
-            launch.drop_claim(claim, self.ctx.ports)
+            await launch.drop_claim(claim, self.ctx.ports)
             raise
         token = instance_id_var.set(self.id)
         settings = self.ctx.settings
@@ -279,7 +279,7 @@ class Supervisor:
             raise
         finally:
             if claim is not None:  # out of time before the first attempt
-                launch.drop_claim(claim, self.ctx.ports)
+                await launch.drop_claim(claim, self.ctx.ports)
             end_start(self)
             instance_id_var.reset(token)
 
