@@ -12,13 +12,23 @@ import secrets
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from solar_host.events import EventBus
 from solar_host.platform.logging_setup import add_secrets
 from solar_host.platform.statelock import StateLock, StateLocked
 from solar_host.resources.probes import BackgroundReading, LiveProbe, SystemProbe, disk_info
 from solar_host.settings import Settings
+
+if TYPE_CHECKING:
+    from solar_host.backends.registry import BackendRegistry
+    from solar_host.control.client import ControlLink
+    from solar_host.estimates.sampler import MemorySampler
+    from solar_host.instances.manager import InstanceManager
+    from solar_host.jobs.service import JobService
+    from solar_host.metrics.service import HostMetrics
+    from solar_host.model_store.service import ModelStore
+    from solar_host.resources.service import ResourceService
 
 log = logging.getLogger("solar_host")
 
@@ -84,7 +94,16 @@ class Host:
     probe: SystemProbe = field(default_factory=LiveProbe)
     api_key: str = ""
     started: bool = False
-    services: dict[str, Any] = field(default_factory=dict)
+    # The services: build_host makes them all (the control link only when CONTROL_URLS names
+    # one); a test may set only those it needs. None: this host has no such service.
+    backends: BackendRegistry | None = None
+    resources: ResourceService | None = None
+    models: ModelStore | None = None
+    jobs: JobService | None = None
+    instances: InstanceManager | None = None
+    memory: MemorySampler | None = None
+    metrics: HostMetrics | None = None
+    control: ControlLink | None = None
     # Started in this order and stopped in reverse.
     lifecycle: list[Lifecycle] = field(default_factory=list)
     # Run in this order before anything starts.
@@ -104,27 +123,12 @@ class Host:
             )
         return self._models_disk.get()
 
-    def __getattr__(self, name: str) -> Any:
-        services = self.__dict__.get("services")
-        if services is not None and name in services:
-            return services[name]
-        raise AttributeError(name)
-
-    def add(
-        self,
-        name: str,
-        service: Any,
-        *,
-        lifecycle: Lifecycle | None = None,
-        load_state: StateLoader | None = None,
-    ) -> Any:
-        """Register `service` under `name`; the caller says what the host must do with it."""
-        self.services[name] = service
+    def run(self, lifecycle: Lifecycle, load_state: StateLoader | None = None) -> None:
+        """Start `lifecycle` with the host (after those before it) and stop it in reverse;
+        `load_state` reads its state files before anything starts."""
         if load_state is not None:
             self.state_loaders.append(load_state)
-        if lifecycle is not None:
-            self.lifecycle.append(lifecycle)
-        return service
+        self.lifecycle.append(lifecycle)
 
     def prepare(self) -> None:
         """Claim this host's directories before anything else happens (idempotent).
@@ -145,9 +149,8 @@ class Host:
 
     def hand_over_backends(self) -> None:
         """Make the coming stop leave every backend serving, for the next host to adopt."""
-        manager = self.services.get("instances")
-        if manager is not None:
-            manager.hand_over = True
+        if self.instances is not None:
+            self.instances.hand_over = True
 
     def release(self) -> None:
         if self.state_lock is not None:
@@ -226,23 +229,26 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
     from solar_host.instances.manager import InstanceManager
 
     backends = overrides.pop("backends", None) or BackendRegistry.default()
-    host.add("backends", backends)
+    host.backends = backends
 
     # --- resources (ledger, usage) ----------------------------------------------------------
     from solar_host.resources.service import ResourceService
 
     resources = ResourceService(settings, bus=host.bus, probe=host.probe)
-    host.add("resources", resources, lifecycle=resources, load_state=resources.load_state)
+    host.resources = resources
+    host.run(resources, resources.load_state)
     # --- model store ------------------------------------------------------------------------
     from solar_host.model_store.service import ModelStore
 
     store = overrides.pop("models", None) or ModelStore(settings, bus=host.bus, probe=host.probe)
-    host.add("models", store, lifecycle=store)
+    host.models = store
+    host.run(store)
     # --- jobs ----------------------------------------------------------------------------------
     from solar_host.jobs.service import JobService
 
     jobs = overrides.pop("jobs", None) or JobService(settings, bus=host.bus, probe=host.probe)
-    host.add("jobs", jobs, lifecycle=jobs, load_state=jobs.load_state)
+    host.jobs = jobs
+    host.run(jobs, jobs.load_state)
 
     manager = overrides.pop("instances", None) or InstanceManager(
         settings=settings,
@@ -251,12 +257,8 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         probe=host.probe,
         api_key=host.key,
     )
-    host.add(
-        "instances",
-        manager,
-        lifecycle=Hooks(manager.startup, manager.shutdown),
-        load_state=manager.load_state,
-    )
+    host.instances = manager
+    host.run(Hooks(manager.startup, manager.shutdown), manager.load_state)
 
     # --- estimates: the fit check and GPU placement of every start ---------------------------
     from solar_host.estimates.capacity import CapacityGate
@@ -285,26 +287,28 @@ def build_host(settings: Settings, *, probe: SystemProbe | None = None, **overri
         interval_s=lambda: settings.memory_sample_interval_s,
         drift_share=lambda: settings.memory_drift_share,
     )
-    host.add("memory", sampler, lifecycle=sampler, load_state=sampler.load_state)
+    host.memory = sampler
+    host.run(sampler, sampler.load_state)
     resources.loading = manager.capacity.holds
     # A flight record's peak memory: what the sampler saw of the backend's tree.
     manager.ctx.peak_memory = lambda iid: (sampler.view(iid) or {}).get("peak_bytes")
     # The store answers "which files are in use" and "where did a pull put this source".
     store.in_use = manager.models_in_use
     manager.manifest_lookup = store.lookup_dir
-    resources.jobs = host.services.get("jobs")
+    resources.jobs = jobs
     # --- metrics ----------------------------------------------------------------------------------
     from solar_host.metrics.service import HostMetrics
 
     metrics = overrides.pop("metrics", None) or HostMetrics(host)
-    host.add("metrics", metrics, lifecycle=metrics)
+    host.metrics = metrics
+    host.run(metrics)
     # --- control link (last: it reads every other service) ----------------------------------
     if settings.control_urls:
         from solar_host.control.client import ControlLink
 
         link = ControlLink(host)
-        host.add("control", link, lifecycle=link)
-
-    for name, service in overrides.items():
-        host.services[name] = service
+        host.control = link
+        host.run(link)
+    if overrides:
+        raise TypeError(f"build_host: no service named {', '.join(sorted(overrides))}")
     return host

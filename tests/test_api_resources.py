@@ -259,7 +259,7 @@ async def test_openapi_lists_the_routes(client: httpx.AsyncClient) -> None:
 
 async def test_without_a_resource_service_503(tmp_path: Path) -> None:
     app = create_app(make_settings(tmp_path), probe=FakeProbe())
-    app.state.host.services.pop("resources")
+    app.state.host.resources = None
     async with open_client(app) as client:
         r = await client.get("/resources", headers=H)
         assert r.status_code == 503 and r.json() == {"detail": "Resource manager unavailable"}

@@ -263,14 +263,14 @@ def make_host(tmp_path: Path, urls: str, **settings: Any) -> Host:
     values.update(settings)
     host = Host(settings=Settings(**values), probe=LiveProbe())
     host.api_key = KEY
-    host.add("instances", FakeInstances(host.bus))
-    host.add("resources", FakeResources())
+    host.instances = FakeInstances(host.bus)
+    host.resources = FakeResources()
     return host
 
 
 async def started_link(host: Host, **kw: Any) -> ControlLink:
     link = ControlLink(host, **kw)
-    host.add("control", link)
+    host.control = link
     await link.start()
     return link
 
@@ -320,7 +320,7 @@ async def link_factory():
 
 async def test_pending_approve_ack_then_full_sync(tmp_path, server, link_factory):
     host = make_host(tmp_path, server.url + "/ws/host-channel", health_report_interval_s=0.3)
-    host.add("jobs", FakeJobs())
+    host.jobs = FakeJobs()
     await host.instances.create(
         {"backend_type": "llamacpp", "alias": "tiny:1b", "model": "/m.gguf"}
     )
@@ -728,11 +728,11 @@ async def test_build_host_wires_the_link_only_with_a_url(tmp_path):
 
     base = {"api_key": KEY, "config_file": tmp_path / "c.json", "models_dir": tmp_path / "m"}
     standalone = build_host(Settings(**base))
-    assert standalone.services.get("control") is None
+    assert standalone.control is None
     linked = build_host(Settings(**base, solar_control_url="ws://127.0.0.1:9/ws/host-channel"))
-    assert isinstance(linked.services["control"], ControlLink)
-    assert linked.services["control"].urls == ["http://127.0.0.1:9"]
-    assert linked.lifecycle[-1] is linked.services["control"]
+    assert isinstance(linked.control, ControlLink)
+    assert linked.control.urls == ["http://127.0.0.1:9"]
+    assert linked.lifecycle[-1] is linked.control
 
 
 # --- the whole host ---------------------------------------------------------------------------
@@ -1356,7 +1356,7 @@ async def test_a_report_past_controls_message_limit_is_named_in_the_log(
     say why."""
     async with ControlServer(known_keys={KEY: "h1"}) as server:
         host = make_host(tmp_path, server.url)
-        instances = host.services["instances"]
+        instances = host.instances
         for i in range(3000):
             await instances.create(
                 {"backend_type": "llamacpp", "alias": f"a{i}", "model": "m.gguf", "pad": "x" * 900}

@@ -156,7 +156,7 @@ async def test_commands_before_the_ack_are_answered_and_not_run(tmp_path: Path) 
             }
             answer = await server.call("create_instance", body)
             assert answer["ok"] is False and answer["error"]["code"] == "not_registered", answer
-            assert host.services["instances"].list() == []
+            assert host.instances.list() == []
             assert link.metrics()["commands_refused"]["not_registered"] == 1
             assert _refused(host, "command_not_registered") == 1
 
@@ -164,7 +164,7 @@ async def test_commands_before_the_ack_are_answered_and_not_run(tmp_path: Path) 
             await wait_for(lambda: link.registered)
             answer = await server.call("create_instance", body)
             assert answer["ok"] is True, answer
-            assert [i.config.alias for i in host.services["instances"].list()] == ["planted:1b"]
+            assert [i.config.alias for i in host.instances.list()] == ["planted:1b"]
         finally:
             await link.stop()
 

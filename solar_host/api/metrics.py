@@ -17,7 +17,7 @@ router = APIRouter(tags=["system"])
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text format: instances, starts, crashes, pulls, control link, capacity, jobs."""
-    service = request.app.state.host.services.get("metrics")
+    service = request.app.state.host.metrics
     if service is None:
         raise HTTPException(503, "Metrics are not enabled on this host")
     from solar_host.metrics.families import CONTENT_TYPE

@@ -27,7 +27,7 @@ router = APIRouter(tags=["resources"])
 
 
 def _service(request: Request) -> Any:
-    service = request.app.state.host.services.get("resources")
+    service = request.app.state.host.resources
     if service is None:
         raise HTTPException(503, "Resource manager unavailable")
     return service

@@ -61,7 +61,7 @@ async def memory(request: Request) -> dict[str, Any]:
 )
 async def reconnect(request: Request) -> dict[str, str]:
     host = request.app.state.host
-    control = host.services.get("control")
+    control = host.control
     if control is None:
         raise HTTPException(503, "No solar-control client configured")
     from solar_host.control.client import ControlLinkUnavailable

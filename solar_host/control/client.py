@@ -85,7 +85,7 @@ class ControlLink:
         self.refused_unregistered = 0  # commands before registration_ack
         self.refused_redirects = 0  # connects that control's address answered with a redirect
         self.commands = CommandRunner(
-            lambda: self.host.services.get("instances"),
+            lambda: self.host.instances,
             max_in_flight=self.settings.control_max_commands_in_flight,
             max_bytes=self.settings.control_max_command_bytes,
         )

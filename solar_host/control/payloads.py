@@ -69,13 +69,10 @@ class PayloadBuilder:
     def __init__(self, host: Any) -> None:
         self.host = host
 
-    def _service(self, name: str) -> Any:
-        return self.host.services.get(name)
-
     # --- facts -------------------------------------------------------------------------------
 
     def instances(self) -> list[Any]:
-        service = self._service("instances")
+        service = self.host.instances
         return list(service.list()) if service is not None else []
 
     def instance_entries(self) -> list[dict[str, Any]]:
@@ -84,13 +81,13 @@ class PayloadBuilder:
     def roles(self) -> list[str]:
         """Never empty: `roles: []` in host_health clears the roles control placed by."""
         roles = ["inference"]
-        jobs = self._service("jobs")
-        if jobs is not None and getattr(jobs, "available", False):
+        jobs = self.host.jobs
+        if jobs is not None and jobs.available:
             roles.append("training")
         return roles
 
     def supported_backends(self) -> list[str]:
-        service = self._service("instances")
+        service = self.host.instances
         if service is None:
             return []
         return list(service.supported_backends())
@@ -143,7 +140,7 @@ class PayloadBuilder:
             data["disk_total_gb"] = disk["total_gb"]
             data["disk_used_gb"] = disk["used_gb"]
             data["disk_available_gb"] = disk["available_gb"]
-        resources = self._service("resources")
+        resources = self.host.resources
         if resources is not None:
             try:
                 data["resources"] = resources.snapshot()

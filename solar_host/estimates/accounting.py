@@ -120,7 +120,7 @@ def memory_families(host: Any) -> list[Any]:
     """Prometheus families: estimated and measured bytes per instance and device."""
     from solar_host.metrics.families import PREFIX, Family
 
-    manager = host.services.get("instances")
+    manager = host.instances
     gate = getattr(manager, "capacity", None)
     est = Family(
         f"{PREFIX}_instance_memory_estimate_bytes",
@@ -150,7 +150,7 @@ def memory_families(host: Any) -> list[Any]:
         "MEMORY_DRIFT_SHARE for two samples in a row.",
         ("instance_id",),
     )
-    sampler = host.services.get("memory")
+    sampler = host.memory
     if sampler is not None:
         for iid, n in sorted(sampler.drifts.items()):
             drift.add((iid,), n)
@@ -158,7 +158,7 @@ def memory_families(host: Any) -> list[Any]:
 
 
 def instance_memory(host: Any, inst: Any) -> dict[str, Any] | None:
-    manager = host.services.get("instances")
-    sampler = host.services.get("memory")
+    manager = host.instances
+    sampler = host.memory
     sampled = sampler.view(inst.id) if sampler is not None else None
     return memory_view(getattr(manager, "capacity", None), host.probe, inst, sampled=sampled)

@@ -251,7 +251,7 @@ class HostMetrics:
         yield info
 
     def _instance_families(self, host: MetricsSource) -> Iterator[Family]:
-        manager = host.services.get("instances")
+        manager = host.instances
         sups = list(getattr(manager, "supervisors", {}).values())
         by_state = dict.fromkeys(INSTANCE_STATES, 0)
         info = Family(
@@ -340,7 +340,7 @@ class HostMetrics:
         yield size
 
     def _control_families(self, host: MetricsSource) -> Iterator[Family]:
-        control = host.services.get("control")
+        control = host.control
         if control is None or not hasattr(control, "metrics"):
             return
         c = control.metrics()
@@ -398,7 +398,7 @@ class HostMetrics:
         yield _control_refusals(c)
 
     def _resource_families(self, host: MetricsSource) -> Iterator[Family]:
-        resources = host.services.get("resources")
+        resources = host.resources
         if resources is None:
             return
         snap = resources.snapshot()
@@ -441,7 +441,7 @@ class HostMetrics:
         yield held
 
     def _job_families(self, host: MetricsSource) -> Iterator[Family]:
-        jobs = host.services.get("jobs")
+        jobs = host.jobs
         if jobs is None:
             return
         by_state = dict.fromkeys(JOB_STATES, 0)
