@@ -121,7 +121,7 @@ def memory_families(host: Any) -> list[Any]:
     from solar_host.metrics.families import PREFIX, Family
 
     manager = host.instances
-    gate = getattr(manager, "capacity", None)
+    gate = manager.capacity if manager is not None else None
     est = Family(
         f"{PREFIX}_instance_memory_estimate_bytes",
         "gauge",
@@ -134,7 +134,7 @@ def memory_families(host: Any) -> list[Any]:
         "Memory a running instance's backend processes use, per device (RSS; NVML on GPUs).",
         ("instance_id", "device"),
     )
-    sups = list(getattr(manager, "supervisors", {}).values())
+    sups = list(manager.supervisors.values()) if manager is not None else []
     gpu_memory = gpu_memory_by_device(host.probe) if any(s.instance.pid for s in sups) else {}
     for sup in sups:
         inst = sup.instance
@@ -161,4 +161,5 @@ def instance_memory(host: Any, inst: Any) -> dict[str, Any] | None:
     manager = host.instances
     sampler = host.memory
     sampled = sampler.view(inst.id) if sampler is not None else None
-    return memory_view(getattr(manager, "capacity", None), host.probe, inst, sampled=sampled)
+    gate = manager.capacity if manager is not None else None
+    return memory_view(gate, host.probe, inst, sampled=sampled)

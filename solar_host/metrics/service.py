@@ -40,13 +40,16 @@ if TYPE_CHECKING:
 
 
 class MetricsSource(Protocol):
-    """What the metrics read of a host: its bus, probe, settings and services by name (the
-    composition root satisfies it; this package never imports it)."""
+    """What the metrics read of a host: its bus, probe, settings and services, each None where
+    the host has none (the composition root satisfies it; this package never imports it)."""
 
     bus: EventBus
     probe: SystemProbe
     settings: Settings
-    services: dict[str, Any]
+    instances: Any
+    control: Any
+    resources: Any
+    jobs: Any
 
 
 log = logging.getLogger(__name__)
@@ -252,7 +255,7 @@ class HostMetrics:
 
     def _instance_families(self, host: MetricsSource) -> Iterator[Family]:
         manager = host.instances
-        sups = list(getattr(manager, "supervisors", {}).values())
+        sups = list(manager.supervisors.values()) if manager is not None else []
         by_state = dict.fromkeys(INSTANCE_STATES, 0)
         info = Family(
             f"{PREFIX}_instance_info",
