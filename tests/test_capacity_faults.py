@@ -258,6 +258,8 @@ def fake_pynvml(
     fake.nvmlDeviceGetName = lambda h: b"NVIDIA H100"  # type: ignore[attr-defined]
     fake.nvmlDeviceGetUUID = lambda h: f"GPU-{h}".encode()  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    # As if the driver were there (LiveProbe asks NVML nothing on a machine without one).
+    monkeypatch.setattr("solar_host.resources.probes.NVIDIA_DRIVER_PATHS", ("/",))
     return fake
 
 
@@ -508,3 +510,13 @@ async def test_a_hung_models_mount_does_not_freeze_health(tmp_path: Path) -> Non
                 break
             await asyncio.sleep(0.05)
         assert probe.disk_calls > calls
+
+
+def test_nvml_is_not_asked_without_an_nvidia_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No /dev/nvidiactl nor /proc/driver/nvidia: no GPU is read (nor pynvml imported), even
+    where a pynvml is installed that would answer."""
+    fake_pynvml(monkeypatch, count=2)
+    tmp_absent = "/nonexistent-solar-host-test/nvidiactl"
+    probe = LiveProbe(driver_paths=(tmp_absent,))
+    assert probe.gpus() == []
+    assert LiveProbe().gpus() != []  # the same pynvml, the driver "there": both GPUs

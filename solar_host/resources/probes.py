@@ -70,6 +70,10 @@ def disk_usage(path: Path) -> Usage | None:
 # can hang NVML for minutes; every reader (the fit check, GET /resources, /metrics) would wait
 # with it.
 NVML_TIMEOUT_S = 5.0
+# NVML talks to the NVIDIA kernel driver through these: where neither exists (a CPU machine, a
+# container given no GPU) there is nothing to ask, and pynvml is not even imported (15 ms of
+# the host's start-up CPU, in a thread beside the first /health).
+NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia")
 
 
 class NvmlTimeout(RuntimeError):
@@ -83,7 +87,10 @@ class LiveProbe:
     answer raises NvmlTimeout. While a stuck call has not returned, further reads fail at
     once rather than start another thread that would hang beside it."""
 
-    def __init__(self, nvml_timeout_s: float = NVML_TIMEOUT_S) -> None:
+    def __init__(
+        self, nvml_timeout_s: float = NVML_TIMEOUT_S, driver_paths: tuple[str, ...] | None = None
+    ) -> None:
+        self._driver_paths = NVIDIA_DRIVER_PATHS if driver_paths is None else driver_paths
         self._nvml: Any = None
         self._nvml_tried = False
         self._lock = threading.Lock()
@@ -96,6 +103,9 @@ class LiveProbe:
         with self._lock:
             if not self._nvml_tried:
                 self._nvml_tried = True
+                if not any(Path(p).exists() for p in self._driver_paths):
+                    log.debug("NVML not tried: none of %s exists", ", ".join(self._driver_paths))
+                    return None
                 try:
                     import pynvml  # type: ignore[import-not-found]
 
