@@ -481,8 +481,10 @@ class Supervisor:
             started_at=datetime.now(UTC),
             error_message=None,
         )
-        # Not awaited: the process record was saved at spawn, and a host that dies before this
-        # write re-adopts the backend anyway. Answering "running" should not wait on fsync.
+        # Not awaited here: a crash restart has nobody waiting for it, and a host that dies
+        # before this write re-adopts the backend by its process record (saved at spawn). An
+        # operator's start or restart awaits it before answering (manager.start), so that a
+        # host killed right after the answer re-adopts the backend as running.
         self.ctx.persist_soon()
         self.ctx.bus.publish(
             InstanceStartTimed(
