@@ -30,7 +30,7 @@ from solar_host.instances.errors import InstanceConflict, InstanceNotFound, Star
 from solar_host.instances.health import AttemptFailed
 from solar_host.instances.httpcheck import is_healthy, probe_address
 from solar_host.instances.lease import Lease
-from solar_host.instances.logs import count_lines, tail_lines
+from solar_host.instances.logs import count_lines, relay_bound, tail_lines
 from solar_host.instances.states import InstanceStatus
 from solar_host.instances.store import ProcessRecord
 from solar_host.instances.supervising import Supervising
@@ -404,6 +404,18 @@ async def attach_adopted(
     # Its log relay, so that its last lines are awaited when it ends (Lease.stop_watching).
     proc.relay = await asyncio.to_thread(relays.relay_of, proc.pid)
     log_path = Path(rec.log_file) if rec.log_file else None
+    if proc.relay is None and log_path is not None:
+        # One that ended while no host ran (its output has been lost since): another on its
+        # pipe. None for a backend of an older host, which writes its file itself.
+        bound = relay_bound(sup.ctx.settings.log_file_max_bytes)
+        proc.relay = await asyncio.to_thread(relays.restart, proc.identity, log_path, bound)
+        if proc.relay is not None:
+            log.warning(
+                "the log relay of instance %s had ended while no host ran: replaced by pid %d; "
+                "what its backend wrote meanwhile was lost",
+                sup.id,
+                proc.relay.identity.pid,
+            )
     if log_path is not None:
         # Continue the log where it is: seq = the attempt's base + lines already in the file.
         lines, size = await asyncio.to_thread(count_lines, log_path)

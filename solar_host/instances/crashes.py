@@ -15,10 +15,11 @@ import time
 from datetime import UTC, datetime
 
 from solar_host.events import InstanceCrashed
-from solar_host.instances import canary_watch, flight, health
+from solar_host.instances import canary_watch, flight, health, relay_watch
 from solar_host.instances import process as procs
 from solar_host.instances.errors import InstanceConflict, StartFailed
 from solar_host.instances.httpcheck import probe_address
+from solar_host.instances.logs import relay_bound
 from solar_host.instances.states import InstanceStatus
 from solar_host.instances.supervising import Supervising
 
@@ -162,6 +163,17 @@ def watch(sup: Supervising, proc: procs.BackendProcess) -> None:
     # The kernel's OOM kills so far, to tell one of this backend's from an older one.
     lease.oom_kills_at_start = flight.oom_kill_count()
     lease.watch_task = asyncio.create_task(watch_exit(sup, proc), name=f"watch:{sup.id}")
+    if proc.relay is not None:
+        follower = lease.follower
+        lease.relay_task = asyncio.create_task(
+            relay_watch.keep(
+                proc,
+                lambda: follower.path if follower is not None else None,
+                relay_bound(sup.ctx.settings.log_file_max_bytes),
+                sup.id,
+            ),
+            name=f"relay:{sup.id}",
+        )
     backend = sup.backend()
     address = probe_address(sup.instance.config.host)
     if backend.metrics_path:

@@ -36,7 +36,7 @@ from solar_host.instances.backend_env import (
 )
 from solar_host.instances.errors import InstanceConflict
 from solar_host.instances.health import AttemptFailed
-from solar_host.instances.logs import READ_CHUNK
+from solar_host.instances.logs import relay_bound
 from solar_host.instances.ports import PortAllocator
 from solar_host.instances.store import ProcessRecord
 from solar_host.model_store.roots import anchor_relative
@@ -270,9 +270,7 @@ async def spawn(
                 settings.models_dir,
                 access_policy(spec, env, settings),
                 settings.backend_read_confinement,
-                # The follower reads up to LOG_FILE_MAX_BYTES and then rotates: one chunk
-                # past it is what a relay may write while a rotation is due.
-                log_bound=settings.log_file_max_bytes + READ_CHUNK,
+                log_bound=relay_bound(settings.log_file_max_bytes),
             )
         except confinement.ConfinementUnavailable as err:
             raise AttemptFailed(str(err), None, retryable=False) from None

@@ -66,6 +66,7 @@ class Lease:
         self.metrics_task: asyncio.Task[None] | None = None
         self.liveness_task: asyncio.Task[None] | None = None
         self.canary_task: asyncio.Task[None] | None = None  # its known-answer probes
+        self.relay_task: asyncio.Task[None] | None = None  # its log relay kept (relay_watch)
 
     def follow_log(
         self,
@@ -91,8 +92,9 @@ class Lease:
         self.follower.start()
 
     def cancel_watchers(self) -> None:
-        """Stop polling it (metrics, liveness, canary); its exit is still watched."""
-        for task in (self.metrics_task, self.liveness_task, self.canary_task):
+        """Stop polling it (metrics, liveness, canary) and keeping its log relay; its exit is
+        still watched."""
+        for task in (self.metrics_task, self.liveness_task, self.canary_task, self.relay_task):
             if task is not None and not task.done():
                 task.cancel()
 

@@ -49,6 +49,15 @@ _NO_COLLAPSE = (errno.EOPNOTSUPP, errno.ENOSYS)
 # Default cut of one line (LOG_LINE_MAX_BYTES): a runaway line cannot eat memory.
 MAX_LINE_BYTES = 16 * 1024
 READ_CHUNK = 256 * 1024
+
+
+def relay_bound(max_file_bytes: int) -> int:
+    """What a backend's log relay may take its file to: the follower reads up to
+    LOG_FILE_MAX_BYTES and then rotates, and one chunk past it is what a relay may write
+    while that rotation is due."""
+    return max_file_bytes + READ_CHUNK
+
+
 HOT_POLL_S = 0.02  # read interval while a log is busy (no inotify watch then)
 # Where a rotation has to copy-truncate (no COLLAPSE_RANGE), how far its copy chases a
 # backend that keeps writing (4 x LOG_FILE_MAX_BYTES, at least this) before it truncates.

@@ -110,22 +110,49 @@ def log_file_of(backend_pid: int) -> Path | None:
     return ownership.stdout_path(relay.identity.pid if relay is not None else backend_pid)
 
 
-async def drained(relay: Relay, timeout: float = DRAIN_S) -> bool:
-    """Wait until the relay exited (it wrote all its pipe held: every writer is gone), at most
-    `timeout` (a process the backend left holding the pipe keeps it open). True if it did."""
+def restart(backend: Identity, log_path: Path, bound: int) -> Relay | None:
+    """A new relay for a live backend whose relay ended (killed, OOM-killed) while it writes
+    on: started on the backend's own pipe, reopened through /proc/<pid>/fd/1 (for a pipe that
+    opens the same pipe, read end). None when the backend is gone, its output is no pipe any
+    more (it closed it), or another reader already relays it (that one is returned).
+    Blocking (procfs, fork/exec)."""
+    pid = backend.pid
+    target = procfs.fd_target(pid, 1)
+    if target is None or not target.startswith("pipe:") or not ownership.is_same(backend):
+        return None
+    existing = relay_of(pid)
+    if existing is not None:
+        return existing
+    try:
+        # O_NONBLOCK: a pipe opened through /proc waits for a writer like a FIFO; it has one.
+        read_end = os.open(f"/proc/{pid}/fd/1", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None  # it ended meanwhile, or it is not ours to read
+    try:
+        os.set_blocking(read_end, True)
+        if procfs.fd_target(pid, 1) != target:  # its fd 1 changed between the looks
+            return None
+        return start(read_end, log_path, bound)
+    finally:
+        os.close(read_end)
+
+
+async def exited(relay: Relay, timeout: float | None = None) -> bool:
+    """Wait until the relay exited, at most `timeout` seconds (None: for as long as it runs).
+    True if it did."""
     try:
         fd = os.pidfd_open(relay.identity.pid)
     except OSError:
         return True  # gone (reaped already)
     loop = asyncio.get_running_loop()
-    exited = loop.create_future()
+    ended = loop.create_future()
     try:
         if not ownership.is_same(relay.identity):
             return True
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
         try:
             async with asyncio.timeout(timeout):
-                await exited
+                await ended
         except TimeoutError:
             return False
         finally:
@@ -134,3 +161,9 @@ async def drained(relay: Relay, timeout: float = DRAIN_S) -> bool:
         os.close(fd)
         reap()
     return True
+
+
+async def drained(relay: Relay, timeout: float = DRAIN_S) -> bool:
+    """Wait until the relay exited (it wrote all its pipe held: every writer is gone), at most
+    `timeout` (a process the backend left holding the pipe keeps it open). True if it did."""
+    return await exited(relay, timeout)
