@@ -171,16 +171,21 @@ def test_a_relay_is_never_taken_for_a_backend_of_ours(tmp_path: Path) -> None:
     assert asyncio.run(relays.drained(proc.relay, 20.0))
 
 
+def start_kept(h: HostProc) -> tuple[str, int, int]:
+    """Start a host and one scripted backend under it, alias `kept`: (id, port, pid)."""
+    h.start()
+    with h.client() as c:
+        r = c.post("/instances", json={"config": script_config(h.tmp, alias="kept")})
+        assert r.status_code == 200, r.text
+        iid = r.json()["instance"]["id"]
+        r = c.post(f"/instances/{iid}/start")
+        assert r.status_code == 200, r.text
+        return iid, r.json()["instance"]["port"], r.json()["instance"]["pid"]
+
+
 def test_a_backend_left_by_a_killed_host_keeps_its_log_written(tmp_path: Path) -> None:
     with HostProc(tmp_path / "h") as h:
-        h.start()
-        with h.client() as c:
-            r = c.post("/instances", json={"config": script_config(h.tmp, alias="kept")})
-            assert r.status_code == 200, r.text
-            iid = r.json()["instance"]["id"]
-            r = c.post(f"/instances/{iid}/start")
-            assert r.status_code == 200, r.text
-            port, pid = r.json()["instance"]["port"], r.json()["instance"]["pid"]
+        iid, port, pid = start_kept(h)
         relay = relays.relay_of(pid)
         assert relay is not None
         [log] = (h.tmp / "logs").glob("kept_*.log")

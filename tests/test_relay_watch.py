@@ -16,9 +16,9 @@ import pytest
 from solar_host.instances import relay_watch, relays
 from tests.fixtures.host import host_settings, running_host
 from tests.fixtures.hostproc import HostProc
-from tests.fixtures.script_backend import script_config
 from tests.fixtures.waiting import wait_for
 from tests.test_lifecycle_fake import cfg, create, registry
+from tests.test_log_relay import start_kept
 
 
 async def relay_of(pid: int, other_than: int | None = None, within_s: float = 20.0) -> relays.Relay:
@@ -126,14 +126,7 @@ def test_restart_refuses_a_backend_whose_output_is_no_pipe(tmp_path: Path) -> No
 
 def test_a_relay_that_ended_while_no_host_ran_is_replaced_at_adoption(tmp_path: Path) -> None:
     with HostProc(tmp_path / "h") as h:
-        h.start()
-        with h.client() as c:
-            r = c.post("/instances", json={"config": script_config(h.tmp, alias="kept")})
-            assert r.status_code == 200, r.text
-            iid = r.json()["instance"]["id"]
-            r = c.post(f"/instances/{iid}/start")
-            assert r.status_code == 200, r.text
-            port, pid = r.json()["instance"]["port"], r.json()["instance"]["pid"]
+        iid, port, pid = start_kept(h)
         first = relays.relay_of(pid)
         assert first is not None
         h.kill()
