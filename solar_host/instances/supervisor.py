@@ -481,10 +481,8 @@ class Supervisor:
             started_at=datetime.now(UTC),
             error_message=None,
         )
-        # Not awaited here: a crash restart has nobody waiting for it, and a host that dies
-        # before this write re-adopts the backend by its process record (saved at spawn). An
-        # operator's start or restart awaits it before answering (manager.start), so that a
-        # host killed right after the answer re-adopts the backend as running.
+        # Not awaited here (nobody waits on a crash restart; the process record was saved at
+        # spawn): an operator's start or restart awaits it before answering (manager.start).
         self.ctx.persist_soon()
         self.ctx.bus.publish(
             InstanceStartTimed(
