@@ -182,10 +182,12 @@ def _check(result: subprocess.CompletedProcess[str], work: Path) -> None:
     # GET / said llama.cpp runs through xllamacpp; doctor printed its table
     assert '"available":true' in out and "xllamacpp" in out, report
     assert "Checks:" in out, report
-    # the chat answered with text, the stop with "stopped"
+    # the chat answered (jq prints "null" for an error's JSON, which has no choices), the stop
+    # with "stopped". The answer's text may be empty: the tiny model has random weights and
+    # the README's request samples, so its first token is now and then its end of text.
     chat_i = [t for t, _ in blocks].index("chat")
     chat = out.split(f"@@BLOCK {chat_i} chat", 1)[1].split(f"@@DONE {chat_i}", 1)[0].strip()
-    assert chat and chat != "null", report
+    assert chat != "null", report
     stop_i = [t for t, _ in blocks].index("stop")
     assert "stopped" in out.split(f"@@BLOCK {stop_i} stop", 1)[1], report
 
