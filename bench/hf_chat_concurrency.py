@@ -302,6 +302,11 @@ def main() -> None:
                                 servers[name][1], c, args.seconds, args.max_tokens, mode
                             )
             results = {key: pooled([rnd[key] for rnd in rounds]) for key in rounds[0]}
+            decoding = {
+                name: scheduler_stats(url)
+                for name, (_p, url, _l) in servers.items()
+                if name != "one-at-a-time"
+            }
         finally:
             for proc, _url, _log in servers.values():
                 proc.terminate()
@@ -338,6 +343,26 @@ def main() -> None:
         if 8 in counts and 1 in counts:
             for name in [n for n in servers if n != "one-at-a-time"]:
                 summary(mode, name, results, rounds)
+    print()
+    for name, d in decoding.items():
+        # How the scheduler cut the bursts: admitted requests per prefill, and the cost it
+        # fitted (the grouping splits a burst only where the fit says a prompt costs more
+        # than a call).
+        print(
+            f"{name} scheduler: {d['prefills']} prefills for {d['admitted']} requests "
+            f"({d['admitted'] / max(1, d['prefills']):.2f} a prefill), fitted prefill cost "
+            f"{d['prefill_ms_per_call']} ms a call + {d['prefill_ms_per_token']} ms a token, "
+            f"hand-over {d['handoff_ms']} ms"
+        )
+
+
+def scheduler_stats(url: str) -> dict:
+    """The decode scheduler's counters (the server's /v1/stats `decoding`)."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/stats", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())["decoding"]
 
 
 def summary(mode: str, name: str, results: dict, rounds: list[dict]) -> None:
