@@ -101,7 +101,7 @@ async def test_a_relay_that_keeps_ending_is_left_after_its_bound(
             if "not replaced" in caplog.text:
                 break
             await asyncio.sleep(0.05)
-        assert "not replaced (1 times in the last hour)" in caplog.text, caplog.text
+        assert "not replaced (ended 1 times in the last hour)" in caplog.text, caplog.text
         assert await asyncio.to_thread(relays.relay_of, pid) is None
         inst = (await h.client.get(f"/instances/{iid}")).json()
         assert inst["status"] == "running" and inst["pid"] == pid  # it serves on

@@ -51,13 +51,6 @@ MAX_LINE_BYTES = 16 * 1024
 READ_CHUNK = 256 * 1024
 
 
-def relay_bound(max_file_bytes: int) -> int:
-    """What a backend's log relay may take its file to: the follower reads up to
-    LOG_FILE_MAX_BYTES and then rotates, and one chunk past it is what a relay may write
-    while that rotation is due."""
-    return max_file_bytes + READ_CHUNK
-
-
 HOT_POLL_S = 0.02  # read interval while a log is busy (no inotify watch then)
 # Where a rotation has to copy-truncate (no COLLAPSE_RANGE), how far its copy chases a
 # backend that keeps writing (4 x LOG_FILE_MAX_BYTES, at least this) before it truncates.
@@ -77,6 +70,13 @@ CUT_FLOOR_BYTES = 4 * 1024 * 1024
 FLOOD_HOLD_S = 0.5
 FLOOD_POLL_S = 0.001
 SKIPPED_LINE = "[log: {n} bytes skipped: the backend wrote faster than the host can follow]"
+
+
+def relay_bound(max_file_bytes: int) -> int:
+    """What a backend's log relay may take its file to: the follower reads up to
+    LOG_FILE_MAX_BYTES and then rotates, and one chunk past it is what a relay may write
+    while that rotation is due."""
+    return max_file_bytes + READ_CHUNK
 
 
 class LogEntry(NamedTuple):

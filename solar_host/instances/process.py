@@ -251,41 +251,26 @@ def end_identities(idents: list[Identity]) -> None:
 
 async def wait_exit(proc: BackendProcess, timeout: float | None = None) -> bool:
     """Wait until the process exits (reaping our own children). True if it exited."""
-    loop = asyncio.get_running_loop()
-    exited = loop.create_future()
-    fd = -1
     try:
         fd = os.pidfd_open(proc.pid)
-    except (ProcessLookupError, OSError):
+    except OSError:
         fd = -1
-    if fd >= 0 and proc.popen is None and not proc.alive():
-        os.close(fd)  # the pid was reused already: ours is gone
-        return True
-    if fd >= 0:
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(True))
     try:
         if fd < 0:
             # No pidfd (gone already, or an old kernel): poll.
-            async def poll() -> None:
-                while proc.alive():
-                    await asyncio.sleep(0.05)
-
             try:
                 async with asyncio.timeout(timeout):
-                    await poll()
+                    while proc.alive():
+                        await asyncio.sleep(0.05)
             except TimeoutError:
                 return False
-        else:
-            if proc.popen is not None and proc.popen.poll() is not None:
-                return True
-            try:
-                async with asyncio.timeout(timeout):
-                    await exited
-            except TimeoutError:
+        elif proc.popen is None and not proc.alive():
+            pass  # the pid was reused already: ours is gone
+        elif proc.popen is None or proc.popen.poll() is None:
+            if not await signals.ended(fd, timeout):
                 return False
     finally:
         if fd >= 0:
-            loop.remove_reader(fd)
             os.close(fd)
     if proc.popen is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):

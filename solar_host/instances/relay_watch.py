@@ -48,12 +48,17 @@ async def keep(
             restarts.popleft()
         path = log_path()
         if len(restarts) >= RESTARTS_PER_HOUR or path is None:
+            why = (
+                "it has no log file any more"
+                if path is None
+                else f"ended {len(restarts)} times in the last hour"
+            )
             log.error(
-                "the log relay of instance %s (pid %d) ended again: not replaced (%d times in "
-                "the last hour); the backend serves on, its output is lost until it restarts",
+                "the log relay of instance %s (pid %d) ended: not replaced (%s); the backend "
+                "serves on, its output is lost until it restarts",
                 instance_id,
                 relay.identity.pid,
-                len(restarts),
+                why,
             )
             proc.relay = None
             return

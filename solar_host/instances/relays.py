@@ -9,7 +9,6 @@ writer of its pipe is gone. Its children are reaped here (`reap`), at each start
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import os
@@ -18,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from solar_host.instances import ownership, procfs
+from solar_host.instances import ownership, procfs, signals
 from solar_host.instances.ownership import Identity
 
 PROGRAM = str(Path(__file__).with_name("log_relay.py"))
@@ -144,23 +143,11 @@ async def exited(relay: Relay, timeout: float | None = None) -> bool:
         fd = os.pidfd_open(relay.identity.pid)
     except OSError:
         return True  # gone (reaped already)
-    loop = asyncio.get_running_loop()
-    ended = loop.create_future()
     try:
-        if not ownership.is_same(relay.identity):
-            return True
-        loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
-        try:
-            async with asyncio.timeout(timeout):
-                await ended
-        except TimeoutError:
-            return False
-        finally:
-            loop.remove_reader(fd)
+        return not ownership.is_same(relay.identity) or await signals.ended(fd, timeout)
     finally:
         os.close(fd)
         reap()
-    return True
 
 
 async def drained(relay: Relay, timeout: float = DRAIN_S) -> bool:

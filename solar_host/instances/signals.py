@@ -1,4 +1,5 @@
-"""Signal exactly the process meant: the one way the host signals a backend or a worker.
+"""Signal exactly the process meant: the one way the host signals a backend or a worker (and
+waits on its end).
 
 A pid alone is not a process: once the process exits and is reaped, the kernel gives its pid
 to the next process started. Checking the identity and then calling kill(pid) leaves a window
@@ -13,6 +14,7 @@ Blocking (procfs reads): callers on the event loop use asyncio.to_thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -25,6 +27,23 @@ from solar_host.instances.ownership import Identity
 PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (Linux 6.9); Python 3.11 does not name it
 # Set once the kernel refused that flag (older than 6.9): killpg from then on.
 _group_flag_refused = False
+
+
+async def ended(pidfd: int, timeout: float | None = None) -> bool:
+    """Wait until the process of `pidfd` exits (its pidfd turns readable, and stays so), at
+    most `timeout` seconds (None: for as long as it runs). True if it did. The caller opened
+    the pidfd, checked it is the process meant, and closes it."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
+    try:
+        async with asyncio.timeout(timeout):
+            await done
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(pidfd)
+    return True
 
 
 @contextlib.contextmanager
