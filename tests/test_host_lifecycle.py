@@ -25,21 +25,15 @@ from solar_host.platform.statelock import StateLock, StateLocked, is_locked
 from tests.fixtures.host import free_port
 from tests.fixtures.hostproc import HostProc
 from tests.fixtures.pinger import Pinger
-from tests.fixtures.script_backend import script_config
+from tests.fixtures.script_backend import script_config, started
 from tests.fixtures.waiting import wait_for
 
 
 def start_instance(h: HostProc, alias: str = "keep") -> tuple[str, int, int]:
     """Create and start a scripted backend; (instance id, pid, port)."""
-    with h.client() as c:
-        r = c.post("/instances", json={"config": script_config(h.tmp, alias=alias)})
-        assert r.status_code == 200, r.text
-        iid = r.json()["instance"]["id"]
-        r = c.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        inst = r.json()["instance"]
-        assert inst["status"] == "running", inst
-        return iid, inst["pid"], inst["port"]
+    inst = started(h, alias=alias)
+    assert inst["status"] == "running", inst
+    return inst["id"], inst["pid"], inst["port"]
 
 
 def alive(pid: int) -> bool:

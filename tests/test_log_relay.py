@@ -24,7 +24,7 @@ import pytest
 from solar_host.instances import confinement, landlock_exec, ownership, relays
 from solar_host.instances import process as procs
 from tests.fixtures.hostproc import HostProc
-from tests.fixtures.script_backend import script_config
+from tests.fixtures.script_backend import started
 from tests.fixtures.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
@@ -174,13 +174,8 @@ def test_a_relay_is_never_taken_for_a_backend_of_ours(tmp_path: Path) -> None:
 def start_kept(h: HostProc) -> tuple[str, int, int]:
     """Start a host and one scripted backend under it, alias `kept`: (id, port, pid)."""
     h.start()
-    with h.client() as c:
-        r = c.post("/instances", json={"config": script_config(h.tmp, alias="kept")})
-        assert r.status_code == 200, r.text
-        iid = r.json()["instance"]["id"]
-        r = c.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        return iid, r.json()["instance"]["port"], r.json()["instance"]["pid"]
+    inst = started(h, alias="kept")
+    return inst["id"], inst["port"], inst["pid"]
 
 
 def test_a_backend_left_by_a_killed_host_keeps_its_log_written(tmp_path: Path) -> None:

@@ -31,20 +31,15 @@ from solar_host.instances.confinement import AccessPolicy, Ruleset
 from solar_host.platform.libc import libc as c_library
 from tests.fixtures.host import API_KEY
 from tests.fixtures.hostproc import ROOT, HostProc
-from tests.fixtures.script_backend import script_config
+from tests.fixtures.script_backend import script_config, started
 
 REFUSAL = "cannot use state file"
 
 
 def running(h: HostProc, alias: str) -> tuple[str, int]:
     """Create and start an instance; (id, backend pid)."""
-    with h.client() as c:
-        r = c.post("/instances", json={"config": script_config(h.tmp, alias=alias)})
-        assert r.status_code == 200, r.text
-        iid = r.json()["instance"]["id"]
-        r = c.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        return iid, r.json()["instance"]["pid"]
+    inst = started(h, alias=alias)
+    return inst["id"], inst["pid"]
 
 
 def written(h: HostProc, pid: int) -> None:

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from tests.fixtures.hostproc import HostProc
-from tests.fixtures.script_backend import script_config
+from tests.fixtures.script_backend import script_config, started
 from tests.test_state_damage import adopted, refused
 
 REFUSAL = "cannot use state file"
@@ -43,13 +43,8 @@ def running_then_killed(h: HostProc) -> tuple[str, int]:
     """Start the host, create and start one instance, wait until config.json records its
     backend, SIGKILL the host: (instance id, backend pid)."""
     h.start()
-    with h.client() as c:
-        r = c.post("/instances", json={"config": script_config(h.tmp, alias="keep:1")})
-        assert r.status_code == 200, r.text
-        iid = r.json()["instance"]["id"]
-        r = c.post(f"/instances/{iid}/start")
-        assert r.status_code == 200, r.text
-        pid = r.json()["instance"]["pid"]
+    inst = started(h, alias="keep:1")
+    iid, pid = inst["id"], inst["pid"]
     deadline = time.monotonic() + 30
     while f'"pid": {pid}' not in (h.tmp / "config.json").read_text():
         assert time.monotonic() < deadline, "config.json never recorded the backend"
