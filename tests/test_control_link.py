@@ -1258,7 +1258,7 @@ async def test_a_command_nested_too_deep_to_decode_is_answered_with_a_400(tmp_pa
                 await plain(eio_sid, namespace, ack_id, data)
 
             server.sio._handle_ack = spy
-            deep = "[" * 5000 + "]" * 5000
+            deep = "[" * 100_000 + "]" * 100_000  # past 3.13's limit too (5,000 passes there)
             await _raw_send(server, f'2/hosts,7["create_instance",{{"config":{deep}}}]')
             [ack] = await asyncio.wait_for(answered, 10)
             assert ack["ok"] is False and ack["status"] == 400, ack
@@ -1273,8 +1273,9 @@ async def test_a_control_that_reads_no_answers_cannot_grow_the_hosts_memory(
     tmp_path: Path,
 ) -> None:
     """Commands sent without end and no ack ever read: each ack was queued in the host's memory
-    (the queue's cap held back reports only). Past MAX_UNREAD_PACKETS the link is closed."""
-    from solar_host.control import client
+    (the queue's cap held back reports only). MAX_UNREAD_PACKETS queued for UNREAD_S close
+    the link."""
+    from solar_host.control import connection
     from tests.fixtures.raw_control import frame, serve_raw
 
     async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -1294,10 +1295,61 @@ async def test_a_control_that_reads_no_answers_cannot_grow_the_hosts_memory(
         assert link.reconnects >= 1
         session = link._session
         queued = session.sio.eio.queue.qsize() if session is not None else 0
-        assert queued <= client.MAX_UNREAD_PACKETS + 8, queued
+        assert queued <= connection.UNREAD_HARD_PACKETS, queued
     finally:
         await link.stop()
         server.close()
+
+
+async def test_answers_queued_in_a_burst_that_drains_keep_the_link() -> None:
+    """Thousands of commands read in one turn of the event loop queue thousands of answers
+    before the writer runs (seen on Python 3.13): the link was closed though control read
+    everything. Only a queue that stays full (UNREAD_S), or passes UNREAD_HARD_PACKETS, closes
+    it."""
+    from solar_host.control import connection
+
+    session = connection.new_session(
+        "http://127.0.0.1:9", api_key=KEY, insecure=False, timeout_s=5, max_command_bytes=1024
+    )
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    session.sio.eio.queue = queue
+
+    def fill(n: int) -> None:
+        while queue.qsize() < n:
+            queue.put_nowait(0)
+
+    def drain() -> None:
+        while not queue.empty():
+            queue.get_nowait()
+
+    def age(seconds: float) -> None:  # as if the first full look was `seconds` earlier
+        assert session.unread_since is not None
+        session.unread_since -= seconds
+
+    try:
+        fill(connection.MAX_UNREAD_PACKETS * 2)  # a burst
+        assert not session.close_if_unread()
+        age(connection.UNREAD_S / 2)
+        drain()  # control read it
+        assert not session.close_if_unread()
+        assert session.unread_since is None
+        fill(connection.MAX_UNREAD_PACKETS)  # the next burst: the clock starts again
+        assert not session.close_if_unread()
+        age(connection.UNREAD_S / 2)
+        assert not session.close_if_unread()
+        assert not session.closed.is_set()
+        age(connection.UNREAD_S / 2)  # full at every look for UNREAD_S: nothing is read
+        assert session.close_if_unread()
+        assert session.closed.is_set()
+
+        session.closed.clear()
+        session.unread_since = None
+        fill(connection.UNREAD_HARD_PACKETS)  # too much to wait on at all
+        assert session.close_if_unread()
+    finally:
+        drain()
+        assert session.http is not None
+        await session.http.close()
 
 
 async def test_a_control_that_falls_silent_is_left_for_the_next_one(

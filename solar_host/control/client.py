@@ -29,7 +29,6 @@ import socketio
 from solar_host.control.commands import COMMANDS, CommandRunner, failure
 from solar_host.control.connection import (
     MAX_FIELD_CHARS,
-    MAX_UNREAD_PACKETS,
     NAMESPACE,
     Session,
     close_session,
@@ -394,16 +393,9 @@ class ControlLink:
         # python-socketio runs each incoming event as its own task, so a start that takes
         # minutes does not hold up other events; the return value is the ack.
         async def handler(data: Any = None, *extra: Any) -> dict[str, Any] | None:
-            if session.unread():
+            if session.close_if_unread():
                 # Control sends commands and reads none of the acks: each one queued was kept
                 # in memory. The link is closed (and made again); the command is not run.
-                if not session.closed.is_set():
-                    log.warning(
-                        "solar-control does not read what the host sends (%d packets "
-                        "queued); closing the link",
-                        MAX_UNREAD_PACKETS,
-                    )
-                    session.closed.set()
                 return None
             if session is not self._session or not session.acked:
                 # Control acknowledges a host before it may drive it (it sends the ack in its
