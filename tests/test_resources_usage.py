@@ -176,7 +176,9 @@ async def test_loops_refresh_usage_and_expire(settings: Settings, proc_tree) -> 
     await svc.start()  # no jobs service yet: nothing runs, the loops still run
     try:
         await wait_for(lambda: svc.usage_refreshes >= 2)
-        await wait_for(lambda: svc.get(brief["id"]) is None)  # expired by the sweep
+        # Removed by the sweep (get() answers None as soon as the TTL passes, sweep or not).
+        await wait_for(lambda: "expired" in events)
+        assert svc.get(brief["id"]) is None
         assert events == ["created", "created", "expired"]
         jobs = FakeJobs()
         jobs.running.add("job-run")
