@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -166,3 +167,42 @@ def test_the_host_ending_it_for_a_wrong_answer_is_canary_mismatch() -> None:
     got = causes.classify(reason=why, exit_code=-9, host_killed=True)
     assert got.kind == causes.CANARY_MISMATCH
     assert got.lead(why).startswith("canary_mismatch: The backend's answer")
+
+
+def test_a_users_generation_that_finishes_beside_a_probe_is_kept() -> None:
+    """The probe's generation is told from a user's by its prompt's length (the answer's usage):
+    a user's request that came while a probe ran, and finished first, was taken for the
+    probe's and dropped, and the probe's was then kept as the user's last generation."""
+    from solar_host.backends.base import GenerationMetrics
+    from solar_host.events import EventBus
+    from solar_host.instances.telemetry import Telemetry
+
+    body = json.loads(completion("hi"))
+    with_usage = json.dumps({**body, "usage": {"prompt_tokens": 36}}).encode()
+    answer = canary.read_answer(GEN, 200, with_usage)
+    assert answer.prompt_tokens == 36
+
+    t = Telemetry("i1", EventBus())
+
+    def kept() -> list[int]:
+        return [g["prompt_tokens"] for g in t.generations]
+
+    t.own_request(time.monotonic() + 30)  # a first probe: its length is not known yet
+    t.own_request_answered(2.0, answer.prompt_tokens)
+    t._add_generation(GenerationMetrics(prompt_tokens=36))
+    assert kept() == []
+
+    t.own_request(time.monotonic() + 30)  # the next probe, and a user's request beside it
+    t._add_generation(GenerationMetrics(prompt_tokens=48))  # the user's finished first
+    t.own_request_answered(2.0, 36)
+    t._add_generation(GenerationMetrics(prompt_tokens=36))  # then the probe's
+    assert kept() == [48]
+
+    t.own_request(time.monotonic() + 30)  # one token either way is still the probe
+    t._add_generation(GenerationMetrics(prompt_tokens=37))
+    t._add_generation(GenerationMetrics(prompt_tokens=36))  # the window closed: a user's
+    assert kept() == [48, 36]
+
+    t.own_request(time.monotonic() - 1)  # a window that passed: the probe's lines never came
+    t._add_generation(GenerationMetrics(prompt_tokens=36))
+    assert kept() == [48, 36, 36] and t.own_until == 0.0

@@ -92,6 +92,11 @@ async def test_real_tiny_backends_keep_their_known_answer(
         assert len(kept[ids["embedding"]]["vector"]) > 0
         assert set(kept[ids["classification"]]["scores"]) == {"NEG", "POS"}
 
+        # The probes' own generations are never kept as a user's (each is told by its length).
+        for name in ("llama", "causal"):
+            r = await h.client.get(f"/instances/{ids[name]}/last-generation")
+            assert r.status_code == 404, (name, r.text)
+
         # A user's generation stays the last one: the probes after it are not kept as such.
         port = (await h.client.get(f"/instances/{ids['causal']}")).json()["port"]
         async with httpx.AsyncClient(timeout=60) as c:

@@ -99,6 +99,9 @@ class Answer:
     vector: tuple[float, ...] | None = None
     scores: Mapping[str, float] | None = None
     fault: str | None = None
+    # A generation's prompt in tokens, as its answer's usage says: how the host tells the
+    # probe's generation record from a user's that finished beside it (Telemetry.own_request).
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,9 @@ def read_answer(probe: Probe, status: int, body: bytes) -> Answer:
             text = choice.get("text")
             if text is None:  # a chat-shaped answer
                 text = choice["message"]["content"]
-            return Answer(kind, text=str(text or ""))
+            prompt = (doc.get("usage") or {}).get("prompt_tokens")
+            prompt = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else None
+            return Answer(kind, text=str(text or ""), prompt_tokens=prompt)
         if kind == EMBEDDING:
             return Answer(kind, vector=tuple(_number(x) for x in doc["data"][0]["embedding"]))
         choice = doc["choices"][0]

@@ -123,19 +123,20 @@ async def ask(
         status, body = await http_post_json(
             address, port, probe.path, probe.payload(), bearer=bearer, timeout=timeout
         )
-        if own is not None:
-            own.own_request_answered(OWN_LINES_S)
     except TimeoutError:
         return canary.Answer(
             probe.kind, fault=f"no answer to {probe.path} within {timeout:g}s (CANARY_TIMEOUT_S)"
         )
     except (OSError, asyncio.IncompleteReadError):
         return None
+    answer = canary.read_answer(probe, status, body)
+    if own is not None:
+        own.own_request_answered(OWN_LINES_S, answer.prompt_tokens)
     if status in SKIPPED_STATUSES:
         text = body[:200].decode("utf-8", "replace")
         log.info("known-answer probe %s skipped: HTTP %s %s", probe.path, status, text)
         return None
-    return canary.read_answer(probe, status, body)
+    return answer
 
 
 async def watch(sup: Supervising, proc: procs.BackendProcess, probe: canary.Probe) -> None:

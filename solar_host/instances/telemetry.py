@@ -39,6 +39,9 @@ class Telemetry:
         # Until when (monotonic) the next finished generation is the host's own (a canary
         # probe), not a user's: it is not kept. 0: none expected.
         self.own_until = 0.0
+        # The probe's prompt in tokens, from its last answer (the probe never changes): a
+        # generation of another length is a user's, even one that finished first.
+        self.own_prompt_tokens: int | None = None
         self.usage: dict[str, Any] | None = None
 
     def reset(self, parser: LogParser | None) -> None:
@@ -103,18 +106,29 @@ class Telemetry:
         generation must not be replaced by it."""
         self.own_until = until
 
-    def own_request_answered(self, grace_s: float) -> None:
-        """Its answer came: its log lines may follow for up to `grace_s`."""
+    def own_request_answered(self, grace_s: float, prompt_tokens: int | None = None) -> None:
+        """Its answer came (its usage: `prompt_tokens`): its log lines may follow for up to
+        `grace_s`."""
+        if prompt_tokens is not None:
+            self.own_prompt_tokens = prompt_tokens
         if self.own_until:
             self.own_until = time.monotonic() + grace_s
+
+    def _may_be_own(self, g: GenerationMetrics) -> bool:
+        """Whether `g` may be the probe's generation: its prompt is the probe's length (one
+        token either way: backends count a BOS differently), or either is unknown."""
+        known, prompt = self.own_prompt_tokens, g.prompt_tokens
+        return known is None or prompt is None or abs(prompt - known) <= 1
 
     def _add_generation(self, g: GenerationMetrics) -> None:
         self.progress_at = time.monotonic()
         if self.own_until:
-            own = time.monotonic() <= self.own_until
-            self.own_until = 0.0
-            if own:
+            if time.monotonic() > self.own_until:
+                self.own_until = 0.0  # the probe's lines never came: this one is a user's
+            elif self._may_be_own(g):
+                self.own_until = 0.0
                 return
+            # else a user's request that finished beside the probe: kept, the probe's to come
         record = g.as_dict()
         record["finished_at"] = record.get("finished_at") or iso_now()
         record["instance_id"] = self.instance_id
